@@ -1,0 +1,3 @@
+from loader_search.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Timing and memory measurement for one training run.
+
+Throughput is measured over a window that starts after a warm-up, so it reflects steady-state
+training rather than worker start-up or the burst of batches the workers prefetched while the
+model was not yet asking for them. The window's edges are device-synchronised: CUDA kernels run
+asynchronously, and an unsynchronised clock would time the queueing of work, not the work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What `StepMeter` measured."""
+
+    measured_samples: int
+    measured_time_s: float
+    data_wait_s: float
+    warmup_batches: int
+    time_to_first_batch_s: float
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over the measured window."""
+        return self.measured_samples / self.measured_time_s
+
+    @property
+    def data_wait_fraction(self) -> float:
+        """Share of the window spent blocked on the loader: a diagnostic, not a score."""
+        return self.data_wait_s / self.measured_time_s
+
+
+class StepMeter:
+    """Counts samples and loader waits of a training loop, excluding the first batches.
+
+    Usage, once per batch::
+
+        meter.start()                 # when the loader iterator is created
+        meter.wait_begin()            # around next(iterator)
+        batch = next(iterator)
+        meter.wait_end()
+        ...train step...
+        meter.step(len(batch))        # after the step was issued
+        ...
+        stats = meter.finish()
+    """
+
+    def __init__(self, warmup_batches: int, sync: Callable[[], None] = lambda: None) -> None:
+        if warmup_batches < 1:
+            raise ValueError("at least one warm-up batch is needed to exclude worker start-up")
+        self._warmup = warmup_batches
+        self._sync = sync
+        self._steps = 0
+        self._created_at: float | None = None
+        self._first_batch_at: float | None = None
+        self._window_start: float | None = None
+        self._samples = 0
+        self._wait = 0.0
+        self._wait_started: float | None = None
+
+    def start(self) -> None:
+        self._created_at = time.perf_counter()
+
+    def wait_begin(self) -> None:
+        self._wait_started = time.perf_counter()
+
+    def wait_end(self) -> None:
+        assert self._wait_started is not None, "wait_end without wait_begin"
+        now = time.perf_counter()
+        if self._first_batch_at is None:
+            self._first_batch_at = now
+        if self._window_start is not None:
+            self._wait += now - self._wait_started
+        self._wait_started = None
+
+    def step(self, samples: int) -> None:
+        """Record a finished step; the window opens once the warm-up batches are done."""
+        self._steps += 1
+        if self._window_start is not None:
+            self._samples += samples
+        elif self._steps == self._warmup:
+            self._sync()  # the warm-up's queued device work must not leak into the window
+            self._window_start = time.perf_counter()
+
+    @property
+    def in_window(self) -> bool:
+        return self._window_start is not None
+
+    def finish(self) -> WindowStats:
+        self._sync()
+        end = time.perf_counter()
+        if self._window_start is None or self._samples == 0:
+            raise ValueError(
+                f"only {self._steps} batch(es) ran, all of them warm-up ({self._warmup});"
+                " raise the training budget"
+            )
+        assert self._created_at is not None and self._first_batch_at is not None
+        return WindowStats(
+            measured_samples=self._samples,
+            measured_time_s=end - self._window_start,
+            data_wait_s=self._wait,
+            warmup_batches=self._warmup,
+            time_to_first_batch_s=self._first_batch_at - self._created_at,
+        )
+
+
+class PeakRSS:
+    """Samples the resident memory of this process plus all its children (loader workers).
+
+    A background thread polls every ``interval_s``; the peak is the largest sum seen. Pages a
+    forked worker shares with its parent count once per process, as the kernel's RSS does, so
+    this is an upper bound on physical memory use.
+    """
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self._interval = interval_s
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self._process = psutil.Process()
+
+    def __enter__(self) -> PeakRSS:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        total = 0
+        try:
+            total = self._process.memory_info().rss
+            for child in self._process.children(recursive=True):
+                try:
+                    total += child.memory_info().rss
+                except psutil.Error:  # a worker that exited between listing and reading
+                    continue
+        except psutil.Error:
+            return
+        self._peak = max(self._peak, total)

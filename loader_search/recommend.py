@@ -1,0 +1,159 @@
+"""From a study to plain results: the Pareto front, the baseline and one recommendation.
+
+Everything here returns plain frozen dataclasses (or JSON-ready dicts) so the terminal output,
+``best --json`` and reports are all drawn from the same numbers.
+
+The recommendation rule: among the Pareto-optimal trials, the fastest one whose validation
+loss is at most the baseline's plus ``loss_tolerance`` (relative), i.e. "faster without making
+the model worse than what you have now". When the baseline trial did not complete, the best
+validation loss of the study stands in for it. The chosen trial is always on the front: any
+trial dominating it would be faster and also within the tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.loader import LoaderParams, dataloader_snippet
+
+THROUGHPUT = "throughput_samples_per_s"
+VAL_LOSS = "val_loss"
+METRIC_NAMES = (THROUGHPUT, VAL_LOSS)
+DIRECTIONS = ("maximize", "minimize")
+BASELINE_ATTR = "baseline"
+PARAMS_ATTR = "loader_params"
+
+
+@dataclass(frozen=True)
+class TrialPoint:
+    """One completed trial, as the user reads it."""
+
+    number: int
+    params: LoaderParams
+    throughput: float
+    val_loss: float
+    is_baseline: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "params": self.params.as_dict(),
+            "throughput": self.throughput,
+            "val_loss": self.val_loss,
+            "baseline": self.is_baseline,
+        }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    point: TrialPoint
+    speedup_vs_baseline: float | None
+    val_loss_change_vs_baseline: float | None  # relative: +0.01 is 1% worse
+    rule: str
+
+    @property
+    def snippet(self) -> str:
+        return dataloader_snippet(self.point.params)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.point.as_dict(),
+            "speedup_vs_baseline": self.speedup_vs_baseline,
+            "val_loss_change_vs_baseline": self.val_loss_change_vs_baseline,
+            "rule": self.rule,
+            "snippet": self.snippet,
+        }
+
+
+@dataclass(frozen=True)
+class StudySummary:
+    study_name: str
+    n_complete: int
+    n_failed: int
+    n_running: int
+    baseline: TrialPoint | None
+    pareto: tuple[TrialPoint, ...]  # fastest first
+    recommended: Recommendation | None
+    loss_tolerance: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "study": self.study_name,
+            "trials": {
+                "complete": self.n_complete,
+                "failed": self.n_failed,
+                "running": self.n_running,
+            },
+            "loss_tolerance": self.loss_tolerance,
+            "baseline": self.baseline.as_dict() if self.baseline else None,
+            "pareto": [p.as_dict() for p in self.pareto],
+            "recommended": self.recommended.as_dict() if self.recommended else None,
+        }
+
+
+def trial_point(trial: FrozenTrial) -> TrialPoint:
+    """A completed trial's effective settings and objective values."""
+    assert trial.values is not None, "only completed trials have values"
+    stored = trial.user_attrs.get(PARAMS_ATTR)
+    params = LoaderParams.from_dict(stored if stored else trial.params)
+    return TrialPoint(
+        number=trial.number,
+        params=params,
+        throughput=trial.values[0],
+        val_loss=trial.values[1],
+        is_baseline=bool(trial.user_attrs.get(BASELINE_ATTR, False)),
+    )
+
+
+def recommend(
+    pareto: tuple[TrialPoint, ...], baseline: TrialPoint | None, loss_tolerance: float
+) -> Recommendation | None:
+    """Apply the recommendation rule (see the module docstring) to a Pareto front."""
+    if not pareto:
+        return None
+    if baseline is not None:
+        reference, what = baseline.val_loss, "the baseline's val_loss"
+    else:
+        reference, what = min(p.val_loss for p in pareto), "the best val_loss"
+    limit = reference + loss_tolerance * abs(reference)
+    candidates = [p for p in pareto if p.val_loss <= limit]
+    chosen = max(candidates, key=lambda p: (p.throughput, -p.val_loss))
+    rule = (
+        f"fastest Pareto-optimal trial with val_loss <= {limit:.4g}"
+        f" ({what} {reference:.4g} + {loss_tolerance:.0%})"
+    )
+    speedup = change = None
+    if baseline is not None:
+        speedup = chosen.throughput / baseline.throughput
+        change = (chosen.val_loss - baseline.val_loss) / abs(baseline.val_loss)
+    return Recommendation(chosen, speedup, change, rule)
+
+
+def summarize(study: optuna.Study, loss_tolerance: float) -> StudySummary:
+    """The study's results. The Pareto set is Optuna's own ``best_trials`` (which drops
+    infeasible trials), sorted fastest first."""
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    baseline = next(
+        (trial_point(t) for t in complete if t.user_attrs.get(BASELINE_ATTR)), None
+    )
+    pareto = tuple(
+        sorted(
+            (trial_point(t) for t in study.best_trials) if complete else (),
+            key=lambda p: (-p.throughput, p.val_loss),
+        )
+    )
+    return StudySummary(
+        study_name=study.study_name,
+        n_complete=len(complete),
+        n_failed=sum(t.state == TrialState.FAIL for t in trials),
+        n_running=sum(t.state == TrialState.RUNNING for t in trials),
+        baseline=baseline,
+        pareto=pareto,
+        recommended=recommend(pareto, baseline, loss_tolerance),
+        loss_tolerance=loss_tolerance,
+    )

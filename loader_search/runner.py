@@ -1,0 +1,330 @@
+"""Creating or continuing a study and running its trials.
+
+The study's trial budget (``[study] trials``, or ``--n-trials``) is a total stored with the
+study: running the same study again continues until the budget is used, so an interrupted run
+picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import optuna
+import torch
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search import __version__
+from loader_search.config import StudyConfig
+from loader_search.errors import UserError
+from loader_search.loader import LoaderParams
+from loader_search.objective import FAILURE_MESSAGE, FAILURE_REASON, Objective, TrialFailed
+from loader_search.recommend import (
+    BASELINE_ATTR,
+    DIRECTIONS,
+    METRIC_NAMES,
+    StudySummary,
+    summarize,
+    trial_point,
+)
+from loader_search.space import ResolvedSpace
+from loader_search.storage import mask_url, open_storage, resolve_storage_url
+from loader_search.system import device_name, resolve_device, usable_cpus
+from loader_search.trial import MIN_MEASURED_BATCHES, TrainingSettings, warmup_batches
+from loader_search.workloads import Workload, check_workload, load_workload
+
+DEFAULT_STUDY_NAME = "loader-search"
+FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+
+
+class StudyAborted(RuntimeError):
+    """The study cannot go on (e.g. the baseline loader does not even train)."""
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    name: str
+    storage: str  # masked
+    created: bool
+    budget: int
+    finished: int
+    device: str
+    workload: str
+    usable_cpus: int
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TrialEvent:
+    number: int
+    complete: bool
+    params: LoaderParams | None
+    throughput: float | None
+    val_loss: float | None
+    failure: str | None
+    duration_s: float
+    finished: int
+    budget: int
+    pareto_size: int
+    best_throughput: float | None
+    best_val_loss: float | None
+
+
+class Reporter(Protocol):
+    """Receives progress; the CLI draws it, the Python API may ignore it."""
+
+    def study_started(self, info: StudyInfo) -> None: ...
+
+    def trial_started(self, number: int, params: LoaderParams) -> None: ...
+
+    def trial_finished(self, event: TrialEvent) -> None: ...
+
+
+class NullReporter:
+    def study_started(self, info: StudyInfo) -> None:
+        pass
+
+    def trial_started(self, number: int, params: LoaderParams) -> None:
+        pass
+
+    def trial_finished(self, event: TrialEvent) -> None:
+        pass
+
+
+def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
+    """Refuse a training budget too small to measure the largest batch size's steady state."""
+    batch = max(space.batch_sizes)
+    worst = LoaderParams(
+        batch_size=batch,
+        num_workers=space.num_workers.high,
+        prefetch_factor=space.prefetch_factor.high if space.num_workers.high else None,
+    )
+    needed = warmup_batches(worst, settings.warmup_batches) + MIN_MEASURED_BATCHES
+    if math.ceil(settings.train_samples / batch) < needed:
+        raise UserError(
+            f"training.train_samples = {settings.train_samples} is too small: batch size"
+            f" {batch} with {worst.num_workers} workers x prefetch {worst.prefetch_factor}"
+            f" needs {needed} batches (warm-up + {MIN_MEASURED_BATCHES} measured); raise it to"
+            f" at least {needed * batch} or lower space.batch_size / prefetch_factor max"
+        )
+
+
+def make_sampler(config: StudyConfig, space: ResolvedSpace) -> optuna.samplers.BaseSampler:
+    sampler = config.sampler
+    if sampler.name == "random":
+        return optuna.samplers.RandomSampler(seed=config.seed)
+    if sampler.name == "nsga2":
+        kwargs: dict[str, Any] = {"seed": config.seed}
+        if sampler.population_size is not None:
+            kwargs["population_size"] = sampler.population_size
+        return optuna.samplers.NSGAIISampler(**kwargs)
+    if sampler.name == "grid":
+        return optuna.samplers.GridSampler(space.grid(), seed=config.seed)
+    kwargs = {"seed": config.seed}
+    if sampler.multivariate is not None:
+        # Conditional parameters (prefetch only with workers) need group sampling.
+        kwargs["multivariate"] = sampler.multivariate
+        kwargs["group"] = sampler.multivariate
+    if sampler.n_startup_trials is not None:
+        kwargs["n_startup_trials"] = sampler.n_startup_trials
+    return optuna.samplers.TPESampler(**kwargs)
+
+
+def _fingerprint(config: StudyConfig, workload: Workload) -> dict[str, Any]:
+    """What a continued study must share with the one that created it."""
+    return {
+        "workload": config.workload,
+        "workload_options": dict(workload.options or config.workload_options),
+        "space": config.space.as_dict(),
+        "training": {
+            "train_samples": config.training.train_samples,
+            "batch_size": config.training.base_batch_size,
+            "lr_scaling": config.training.lr_scaling,
+            "lr": config.training.lr,
+            "warmup_batches": config.training.warmup_batches,
+            "eval_batch_size": config.training.eval_batch_size,
+            "seed": config.training.seed,
+        },
+    }
+
+
+def _environment(device: torch.device, cpus: int) -> dict[str, Any]:
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "usable_cpus": cpus,
+        "torch_version": torch.__version__,
+        "optuna_version": optuna.__version__,
+        "python_version": platform.python_version(),
+        "loader_search_version": __version__,
+    }
+
+
+def _open_study(
+    storage: optuna.storages.RDBStorage,
+    name: str,
+    config: StudyConfig,
+    sampler: optuna.samplers.BaseSampler,
+    fingerprint: Mapping[str, Any],
+) -> tuple[optuna.Study, bool]:
+    existing = optuna.study.get_all_study_names(storage)
+    if name in existing:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        stored = study.user_attrs.get("fingerprint")
+        if stored is not None and stored != fingerprint:
+            differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
+            raise UserError(
+                f"study {name!r} was created with different settings ({', '.join(differs)});"
+                " its results would not compare: use another --study-name"
+            )
+        if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
+            raise UserError(f"study {name!r} is not a loader-search study: use another name")
+        return study, False
+    study = optuna.create_study(
+        study_name=name, storage=storage, sampler=sampler, directions=list(DIRECTIONS)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
+    return study, True
+
+
+def run_study(
+    config: StudyConfig,
+    *,
+    workload: Workload | None = None,
+    storage: str | None = None,
+    reporter: Reporter | None = None,
+) -> StudySummary:
+    """Create (or continue) the study ``config`` describes, run it, and summarise it.
+
+    ``workload`` overrides ``config.workload``: the Python API passes one built in memory.
+    Bad input raises `UserError` before any study is created.
+    """
+    reporter = reporter or NullReporter()
+    verbosity = optuna.logging.get_verbosity()
+    # The reporter speaks instead of Optuna's per-trial log lines; Optuna logs each failed
+    # trial with a traceback, which is stored on the trial (failure_traceback) instead.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        return _run(config, workload, storage, reporter)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+def _run(
+    config: StudyConfig, workload: Workload | None, storage: str | None, reporter: Reporter
+) -> StudySummary:
+    device = resolve_device(config.device)
+    cpus = usable_cpus()
+    space = config.space.resolve(cpus, cuda=device.type == "cuda")
+    check_budget(config.training, space)
+    if workload is None:
+        check_workload(config.workload, config.workload_options)  # fail fast, before storage
+    url = resolve_storage_url(storage)
+    rdb = open_storage(url)
+    if workload is None:
+        workload = load_workload(config.workload, config.workload_options)
+    name = config.name or DEFAULT_STUDY_NAME
+    fingerprint = _fingerprint(config, workload)
+    study, created = _open_study(rdb, name, config, make_sampler(config, space), fingerprint)
+    if created:
+        study.set_user_attr("fingerprint", fingerprint)
+        study.set_user_attr("workload_description", workload.description)
+        study.set_user_attr("sampler", config.sampler.name)
+        for key, value in _environment(device, cpus).items():
+            study.set_user_attr(key, value)
+        # The first trial is the loader most users start from, so results read as speedups.
+        study.enqueue_trial(
+            space.baseline(config.training.base_batch_size), user_attrs={BASELINE_ATTR: True}
+        )
+    study.set_user_attr("trial_budget", config.trials)
+    study.set_user_attr("loss_tolerance", config.loss_tolerance)
+
+    finished = len(study.get_trials(deepcopy=False, states=FINISHED_STATES))
+    reporter.study_started(
+        StudyInfo(
+            name=name,
+            storage=mask_url(url),
+            created=created,
+            budget=config.trials,
+            finished=finished,
+            device=device_name(device),
+            workload=workload.description or workload.name,
+            usable_cpus=cpus,
+            notes=space.notes,
+        )
+    )
+    remaining = config.trials - finished
+    if remaining > 0:
+        _optimize(study, config, workload, space, device, reporter, remaining)
+    return summarize(study, config.loss_tolerance)
+
+
+def _optimize(
+    study: optuna.Study,
+    config: StudyConfig,
+    workload: Workload,
+    space: ResolvedSpace,
+    device: torch.device,
+    reporter: Reporter,
+    n_trials: int,
+) -> None:
+    started: dict[int, float] = {}
+
+    def on_start(number: int, params: LoaderParams) -> None:
+        started[number] = time.perf_counter()
+        reporter.trial_started(number, params)
+
+    def on_end(study: optuna.Study, trial: FrozenTrial) -> None:
+        complete = trial.state == TrialState.COMPLETE
+        point = trial_point(trial) if complete else None
+        stored = trial.user_attrs.get("loader_params")
+        pareto = study.best_trials
+        values = [t.values for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+        failure = None
+        if not complete:
+            failure = trial.user_attrs.get(FAILURE_MESSAGE) or trial.user_attrs.get(
+                FAILURE_REASON, "failed"
+            )
+        reporter.trial_finished(
+            TrialEvent(
+                number=trial.number,
+                complete=complete,
+                params=LoaderParams.from_dict(stored) if stored else None,
+                throughput=point.throughput if point else None,
+                val_loss=point.val_loss if point else None,
+                failure=failure,
+                duration_s=time.perf_counter() - started.get(trial.number, time.perf_counter()),
+                finished=len(study.get_trials(deepcopy=False, states=FINISHED_STATES)),
+                budget=config.trials,
+                pareto_size=len(pareto),
+                best_throughput=max((v[0] for v in values), default=None),
+                best_val_loss=min((v[1] for v in values), default=None),
+            )
+        )
+        if not complete and trial.user_attrs.get(BASELINE_ATTR):
+            study.stop()
+
+    objective = Objective(workload, space, config.training, device, on_start)
+    study.optimize(
+        objective,
+        n_trials=n_trials,
+        timeout=config.timeout_s,
+        catch=(TrialFailed,),
+        callbacks=[on_end],
+    )
+    baseline = next(
+        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(BASELINE_ATTR)), None
+    )
+    if baseline is not None and baseline.state == TrialState.FAIL:
+        message = baseline.user_attrs.get(FAILURE_MESSAGE, "failed")
+        raise StudyAborted(
+            f"the baseline trial (#{baseline.number}) failed: {message}. The workload does not"
+            " train with the plainest loader; fix it before searching"
+        )

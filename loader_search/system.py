@@ -1,0 +1,91 @@
+"""What this process may use: CPUs (affinity and cgroup quota) and the training device."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from loader_search.errors import UserError
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _cgroup_cpu_limit(root: Path = _CGROUP_ROOT) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs, or None when unlimited or unknown."""
+    v2 = root / "cpu.max"
+    try:
+        quota, period = v2.read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may actually run on: its affinity mask, capped by a cgroup CPU quota.
+
+    ``os.cpu_count()`` reports the host's CPUs, which overstates what a container or a pinned
+    process gets; loader workers beyond this number only fight each other.
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    if limit is not None:
+        n = min(n, max(1, math.ceil(limit)))
+    return max(1, n)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; ``cpu``, ``cuda`` and ``cuda:N`` are checked."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(
+            f"training.device = {spec!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"training.device = {spec!r} but CUDA is not available here: use 'auto' or 'cpu'"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(
+                f"training.device = {spec!r} but only {torch.cuda.device_count()} CUDA device(s)"
+                " are visible: pick a smaller index"
+            )
+    elif device.type != "cpu":
+        raise UserError(f"training.device = {spec!r} is not supported: use 'auto', 'cpu' or 'cuda'")
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for the device, e.g. 'NVIDIA H200' or 'cpu (AMD EPYC ...)'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({cpu_model()})"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"

@@ -1,0 +1,271 @@
+"""One trial: a real training run with given DataLoader settings, measured. No Optuna here.
+
+The run trains a fresh, identically initialised model for a fixed number of training samples,
+the same for every batch size, so the validation loss at the end carries batch size's
+convergence cost next to its speed. Throughput is measured over the steady state only (see
+`loader_search.measure`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader
+
+from loader_search.errors import TrainingDiverged
+from loader_search.loader import LoaderParams, build_loader
+from loader_search.measure import PeakRSS, StepMeter
+from loader_search.workloads import Workload
+
+LrScaling = Literal["none", "linear", "sqrt"]
+LR_SCALINGS: tuple[LrScaling, ...] = ("none", "linear", "sqrt")
+
+# Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
+MIN_MEASURED_BATCHES = 8
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """How every trial of a study trains; the same for all trials so results compare."""
+
+    train_samples: int = 8192
+    base_batch_size: int = 64
+    lr_scaling: LrScaling = "sqrt"
+    lr: float | None = None  # None: the workload's base_lr, at base_batch_size
+    warmup_batches: int = 2
+    eval_batch_size: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"lr_scaling must be one of {LR_SCALINGS}, got {self.lr_scaling!r}")
+        for name in ("train_samples", "base_batch_size", "warmup_batches", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def scaled_lr(base_lr: float, batch_size: int, base_batch_size: int, rule: LrScaling) -> float:
+    """Learning rate for ``batch_size``, scaled from ``base_lr`` at ``base_batch_size``.
+
+    ``linear`` (Goyal et al.) keeps the per-sample step size for SGD; ``sqrt`` keeps the
+    gradient noise scale and is the safer default for adaptive optimisers; ``none`` compares
+    batch sizes at one learning rate, which penalises large batches.
+    """
+    ratio = batch_size / base_batch_size
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
+
+
+def warmup_batches(params: LoaderParams, extra: int) -> int:
+    """Batches excluded from the measurement: the ones workers prefetched during start-up
+    (``num_workers * prefetch_factor``, delivered in a burst) plus ``extra`` more."""
+    prefetched = params.num_workers * (params.prefetch_factor or 0)
+    return prefetched + extra
+
+
+def batches_needed(params: LoaderParams, extra_warmup: int) -> int:
+    """Training batches a trial needs to measure a steady state at all."""
+    return warmup_batches(params, extra_warmup) + MIN_MEASURED_BATCHES
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """Everything one training run measured. Keys of `user_attrs` carry their unit."""
+
+    throughput_samples_per_s: float
+    val_loss: float
+    val_accuracy: float | None
+    data_wait_fraction: float
+    time_to_first_batch_s: float
+    peak_host_rss_bytes: int
+    peak_gpu_bytes: int | None
+    train_samples: int
+    measured_samples: int
+    measured_time_s: float
+    warmup_batches: int
+    epochs: int
+    lr: float
+    final_train_loss: float
+    train_time_s: float
+    eval_time_s: float
+    device: str
+
+    def user_attrs(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _sync_for(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def run_trial(
+    workload: Workload,
+    params: LoaderParams,
+    settings: TrainingSettings,
+    device: torch.device | str = "cpu",
+) -> TrialResult:
+    """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure.
+
+    Raises `TrainingDiverged` when the loss becomes non-finite, and ``ValueError`` when the
+    budget is too small to measure anything after the warm-up.
+    """
+    device = torch.device(device)
+    warmup = warmup_batches(params, settings.warmup_batches)
+    steps = math.ceil(settings.train_samples / params.batch_size)
+    if steps < warmup + MIN_MEASURED_BATCHES:
+        raise ValueError(
+            f"train_samples = {settings.train_samples} gives {steps} batches of"
+            f" {params.batch_size}, but {warmup} warm-up + {MIN_MEASURED_BATCHES} measured"
+            " batches are needed; raise train_samples"
+        )
+    lr = scaled_lr(
+        settings.lr if settings.lr is not None else workload.base_lr,
+        params.batch_size,
+        settings.base_batch_size,
+        settings.lr_scaling,
+    )
+    sync = _sync_for(device)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(params.torch_threads)
+    try:
+        torch.manual_seed(settings.seed)  # every trial starts from the same weights
+        model = workload.make_model().to(device)
+        optimizer = workload.make_optimizer(model.parameters(), lr)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with PeakRSS() as rss:
+            train_start = time.perf_counter()
+            loader = build_loader(
+                workload.train_dataset,
+                params,
+                shuffle=True,
+                seed=settings.seed,
+                collate_fn=workload.collate_fn,
+            )
+            meter = StepMeter(warmup, sync)
+            last_loss, epochs = _train(
+                model, optimizer, workload, loader, meter, settings.train_samples, device, params
+            )
+            stats = meter.finish()
+            del loader  # shuts down (persistent) workers before evaluation
+            train_time = time.perf_counter() - train_start
+            final_loss = float(last_loss)
+            if not math.isfinite(final_loss):
+                raise TrainingDiverged(
+                    f"training loss became {final_loss} at lr={lr:.4g}; lower the learning rate"
+                    " or use lr_scaling = 'sqrt'"
+                )
+            eval_start = time.perf_counter()
+            val_loss, val_accuracy = _evaluate(model, workload, params, settings, device)
+            eval_time = time.perf_counter() - eval_start
+        if not math.isfinite(val_loss):
+            raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
+        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    finally:
+        torch.set_num_threads(previous_threads)
+    return TrialResult(
+        throughput_samples_per_s=stats.throughput,
+        val_loss=val_loss,
+        val_accuracy=val_accuracy,
+        data_wait_fraction=stats.data_wait_fraction,
+        time_to_first_batch_s=stats.time_to_first_batch_s,
+        peak_host_rss_bytes=rss.peak_bytes,
+        peak_gpu_bytes=peak_gpu,
+        train_samples=settings.train_samples,
+        measured_samples=stats.measured_samples,
+        measured_time_s=stats.measured_time_s,
+        warmup_batches=stats.warmup_batches,
+        epochs=epochs,
+        lr=lr,
+        final_train_loss=final_loss,
+        train_time_s=train_time,
+        eval_time_s=eval_time,
+        device=str(device),
+    )
+
+
+def _train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    workload: Workload,
+    loader: DataLoader[Any],
+    meter: StepMeter,
+    budget: int,
+    device: torch.device,
+    params: LoaderParams,
+) -> tuple[torch.Tensor, int]:
+    """The training loop; returns the last batch's loss (a tensor: no per-step device sync)."""
+    model.train()
+    meter.start()
+    iterator = iter(loader)
+    epochs = 1
+    seen = 0
+    loss = torch.zeros(())
+    while seen < budget:
+        meter.wait_begin()
+        try:
+            inputs, targets = next(iterator)
+        except StopIteration:  # next epoch: the restart's wait is real loading time
+            epochs += 1
+            iterator = iter(loader)
+            inputs, targets = next(iterator)
+        meter.wait_end()
+        n = min(len(targets), budget - seen)
+        if n < len(targets):  # the budget is exact, whatever the batch size
+            inputs, targets = inputs[:n], targets[:n]
+        inputs = inputs.to(device, non_blocking=params.pin_memory)
+        targets = targets.to(device, non_blocking=params.pin_memory)
+        loss = workload.loss_fn(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        seen += n
+        meter.step(n)
+    del iterator
+    return loss.detach(), epochs
+
+
+def _evaluate(
+    model: torch.nn.Module,
+    workload: Workload,
+    params: LoaderParams,
+    settings: TrainingSettings,
+    device: torch.device,
+) -> tuple[float, float | None]:
+    """Mean validation loss over all samples (and accuracy for class-index targets)."""
+    eval_params = LoaderParams(
+        batch_size=settings.eval_batch_size,
+        num_workers=params.num_workers,
+        prefetch_factor=params.prefetch_factor,
+        pin_memory=params.pin_memory,
+        torch_threads=params.torch_threads,
+    )
+    loader = build_loader(
+        workload.val_dataset, eval_params, shuffle=False, collate_fn=workload.collate_fn
+    )
+    model.eval()
+    total_loss = 0.0
+    correct = 0
+    count = 0
+    classification = True
+    with torch.no_grad():
+        for inputs, targets in loader:
+            inputs = inputs.to(device, non_blocking=params.pin_memory)
+            targets = targets.to(device, non_blocking=params.pin_memory)
+            outputs = model(inputs)
+            total_loss += float(workload.loss_fn(outputs, targets)) * len(targets)
+            count += len(targets)
+            if classification and outputs.dim() == 2 and targets.dim() == 1:
+                correct += int((outputs.argmax(1) == targets).sum())
+            else:
+                classification = False
+    return total_loss / count, (correct / count if classification else None)

@@ -1,0 +1,110 @@
+"""Workloads: built-in ones by name, users' own as ``module:factory`` or ``file.py:factory``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from loader_search.errors import UserError
+from loader_search.workloads._base import Workload, sgd_momentum
+
+__all__ = [
+    "BUILTIN_WORKLOADS",
+    "Workload",
+    "check_workload",
+    "load_workload",
+    "resolve_factory",
+    "sgd_momentum",
+]
+
+WorkloadFactory = Callable[..., Workload]
+
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "synthetic-images": "loader_search.workloads.synthetic_images:synthetic_images",
+    "digits": "loader_search.workloads.digits:digits",
+}
+
+_FORMS = (
+    f"use one of {', '.join(BUILTIN_WORKLOADS)}, 'package.module:factory'"
+    " or 'path/to/file.py:factory'"
+)
+
+
+def resolve_factory(spec: str) -> WorkloadFactory:
+    """The factory function a workload spec names; `UserError` if it cannot be found."""
+    target = BUILTIN_WORKLOADS.get(spec, spec)
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise UserError(f"unknown workload {spec!r}: {_FORMS}")
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        module = _import_file(spec, Path(module_part))
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_part.startswith(exc.name):
+                raise UserError(
+                    f"workload {spec!r}: no module named {module_part!r} on the Python path;"
+                    " install it or use 'path/to/file.py:factory'"
+                ) from None
+            raise
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise UserError(
+            f"workload {spec!r}: {module_part} has no function {attr!r}; name a function that"
+            " returns a loader_search.Workload"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def _import_file(spec: str, path: Path) -> Any:
+    if not path.is_file():
+        raise UserError(f"workload {spec!r}: file {str(path)!r} does not exist")
+    name = f"loader_search_user_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"workload {spec!r}: {str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered so pickling (e.g. DataLoader workers under spawn) can find the module's classes.
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def check_workload(spec: str, options: Mapping[str, Any] | None = None) -> WorkloadFactory:
+    """Find the factory and check the option names, without building any data (cheap)."""
+    factory = resolve_factory(spec)
+    options = dict(options or {})
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as exc:
+        accepted = ", ".join(inspect.signature(factory).parameters) or "none"
+        raise UserError(
+            f"workload {spec!r} does not accept options {sorted(options)} ({exc});"
+            f" accepted: {accepted}"
+        ) from None
+    return factory
+
+
+def load_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workload:
+    """Build the workload ``spec`` names, passing ``options`` as keyword arguments.
+
+    Wrong option names and values are `UserError` (they are config mistakes); an exception
+    raised from inside the user's factory for any other reason propagates unchanged.
+    """
+    factory = check_workload(spec, options)
+    options = dict(options or {})
+    try:
+        workload = factory(**options)
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"workload {spec!r}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise UserError(
+            f"workload {spec!r} returned {type(workload).__name__}, not a loader_search.Workload"
+        )
+    return workload

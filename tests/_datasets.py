@@ -1,0 +1,49 @@
+"""Small real datasets with known timing behaviour, for measurement tests."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from loader_search.workloads import Workload
+
+
+class TimedDataset(Dataset[tuple[torch.Tensor, int]]):
+    """``n`` random feature vectors; each access sleeps ``delay_s``, and the very first access
+    in each process sleeps ``first_delay_s`` more (a slow start, like opening files)."""
+
+    def __init__(self, n: int, delay_s: float = 0.0, first_delay_s: float = 0.0) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=generator)
+        self.y = (self.x[:, 0] > 0).long()
+        self.delay_s = delay_s
+        self.first_delay_s = first_delay_s
+        self._started = False
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not self._started:
+            self._started = True
+            time.sleep(self.first_delay_s)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.x[index], int(self.y[index])
+
+
+def linear_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
+def timed_workload(n: int = 512, delay_s: float = 0.0, first_delay_s: float = 0.0) -> Workload:
+    return Workload(
+        name="timed",
+        train_dataset=TimedDataset(n, delay_s, first_delay_s),
+        val_dataset=TimedDataset(64),
+        make_model=linear_model,
+        base_lr=0.05,
+    )

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loader_search.workloads import Workload
+from loader_search.workloads.synthetic_images import synthetic_images
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A study config small enough that a whole CLI run takes seconds on 2 cores.
+TINY_CONFIG = """
+[study]
+name = "tiny"
+trials = {trials}
+seed = 0
+
+[sampler]
+name = "random"
+
+[workload]
+name = "synthetic-images"
+
+[workload.options]
+image_size = 16
+train_size = 256
+val_size = 64
+
+[training]
+device = "cpu"
+train_samples = 512
+batch_size = 16
+eval_batch_size = 64
+
+[space]
+batch_size = {{ min = 16, max = 32 }}
+num_workers = {{ min = 0, max = 1 }}
+prefetch_factor = {{ min = 1, max = 2 }}
+torch_threads = 1
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_workload() -> Workload:
+    """A real, small synthetic-images workload (16x16 PNGs), built once per test session."""
+    return synthetic_images(image_size=16, train_size=256, val_size=64)
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> Callable[..., Path]:
+    def write(trials: int = 3, extra: str = "", name: str = "tiny.toml") -> Path:
+        path = tmp_path / name
+        path.write_text(TINY_CONFIG.format(trials=trials) + extra)
+        return path
+
+    return write
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'studies.db'}"
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the real console entry point in a subprocess, as a user would."""
+    inherited = {k: v for k, v in os.environ.items() if k != "LOADER_SEARCH_STORAGE"}
+    full_env = {**inherited, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "loader_search", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

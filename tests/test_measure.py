@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loader_search.measure import PeakRSS, StepMeter
+
+
+def test_window_excludes_warmup_batches() -> None:
+    meter = StepMeter(warmup_batches=2)
+    meter.start()
+    for step in range(6):
+        meter.wait_begin()
+        time.sleep(0.3 if step == 0 else 0.01)  # a slow first batch: worker start-up
+        meter.wait_end()
+        meter.step(10)
+        assert meter.in_window == (step >= 1)
+    stats = meter.finish()
+    assert stats.measured_samples == 40  # batches 3..6
+    assert stats.time_to_first_batch_s >= 0.3
+    assert stats.measured_time_s < 0.25  # the 0.3 s start is not in the window
+    assert 0.0 < stats.data_wait_fraction <= 1.0
+    assert stats.throughput == pytest.approx(40 / stats.measured_time_s)
+
+
+def test_finish_without_measured_batches_is_an_error() -> None:
+    meter = StepMeter(warmup_batches=3)
+    meter.start()
+    for _ in range(3):
+        meter.wait_begin()
+        meter.wait_end()
+        meter.step(4)
+    with pytest.raises(ValueError, match="raise the training budget"):
+        meter.finish()
+
+
+def test_peak_rss_includes_child_processes() -> None:
+    with PeakRSS(interval_s=0.02) as alone:
+        time.sleep(0.1)
+    code = "b = bytearray(300 * 2**20); import time; time.sleep(1.0)"
+    with PeakRSS(interval_s=0.02) as with_child:
+        child = subprocess.Popen([sys.executable, "-c", code])
+        child.wait(timeout=30)
+    assert with_child.peak_bytes - alone.peak_bytes > 250 * 2**20
