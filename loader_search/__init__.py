@@ -1,17 +1,33 @@
 """loader-search: find the DataLoader settings that make real training fast without making the
-model worse. See README.md; the Python API is `run_study` with a `Workload` and `StudyConfig`."""
+model worse. See README.md; the Python API is `run_study` with a `Workload` and `StudyConfig`.
+
+Names are imported lazily, so ``loader-search --help`` and error messages do not wait for torch.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from loader_search.config import SamplerConfig, StudyConfig, load_config  # noqa: E402
-from loader_search.loader import LoaderParams, dataloader_snippet  # noqa: E402
-from loader_search.recommend import StudySummary  # noqa: E402
-from loader_search.runner import run_study  # noqa: E402
-from loader_search.space import CpuRange, IntRange, SearchSpace  # noqa: E402
-from loader_search.trial import TrainingSettings, TrialResult, run_trial  # noqa: E402
-from loader_search.workloads import Workload  # noqa: E402
+_EXPORTS = {
+    "CpuRange": "loader_search.space",
+    "IntRange": "loader_search.space",
+    "SearchSpace": "loader_search.space",
+    "LoaderParams": "loader_search.params",
+    "dataloader_snippet": "loader_search.params",
+    "SamplerConfig": "loader_search.config",
+    "StudyConfig": "loader_search.config",
+    "load_config": "loader_search.config",
+    "StudySummary": "loader_search.recommend",
+    "run_study": "loader_search.runner",
+    "TrainingSettings": "loader_search.params",
+    "TrialResult": "loader_search.trial",
+    "run_trial": "loader_search.trial",
+    "Workload": "loader_search.workloads",
+    "UserError": "loader_search.errors",
+}
 
 __all__ = [
     "CpuRange",
@@ -23,6 +39,7 @@ __all__ = [
     "StudySummary",
     "TrainingSettings",
     "TrialResult",
+    "UserError",
     "Workload",
     "__version__",
     "dataloader_snippet",
@@ -30,3 +47,20 @@ __all__ = [
     "run_study",
     "run_trial",
 ]
+
+if TYPE_CHECKING:
+    from loader_search.config import SamplerConfig, StudyConfig, load_config
+    from loader_search.errors import UserError
+    from loader_search.params import LoaderParams, dataloader_snippet
+    from loader_search.recommend import StudySummary
+    from loader_search.runner import run_study
+    from loader_search.space import CpuRange, IntRange, SearchSpace
+    from loader_search.trial import TrialResult, run_trial
+    from loader_search.workloads import Workload
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loader_search' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -9,7 +9,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -18,11 +18,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.syntax import Syntax
 from rich.table import Table
 
-from loader_search.errors import UserError
-from loader_search.loader import LoaderParams
-from loader_search.recommend import StudySummary
-from loader_search.runner import StudyAborted, StudyInfo, TrialEvent
+# Heavy modules (torch, optuna) are imported inside the commands: `--help` and input errors
+# answer at once.
+from loader_search.errors import StudyAborted, UserError
 from loader_search.storage import STORAGE_ENV, mask_url
+
+if TYPE_CHECKING:
+    from loader_search.params import LoaderParams
+    from loader_search.recommend import StudySummary
+    from loader_search.runner import StudyInfo, TrialEvent
 
 DEBUG_ENV = "LOADER_SEARCH_DEBUG"
 
@@ -102,17 +106,22 @@ def _root(
 @app.command()
 @_reports_errors
 def run(
-    config: Annotated[Path, typer.Argument(help="Study config file (TOML), e.g. studies/quickstart.toml.")],
+    config: Annotated[
+        Path, typer.Argument(help="Study config file (TOML), e.g. studies/quickstart.toml.")
+    ],
     storage: StorageOption = None,
     study_name: Annotated[
         str | None,
-        typer.Option("--study-name", help="Study name. Default: \\[study] name, else the config file's name."),
+        typer.Option(
+            "--study-name",
+            help="Study name. Default: \\[study] name, else the config file's name.",
+        ),
     ] = None,
     n_trials: Annotated[
         int | None,
         typer.Option(
             "--n-trials",
-            help="Total trials the study should have (its stored budget). Default: \\[study] trials.",
+            help="Total trials of the study (its stored budget). Default: \\[study] trials.",
         ),
     ] = None,
     timeout: Annotated[
@@ -126,9 +135,9 @@ def run(
     Running again with the same study name continues it until its trial budget is used.
     """
     from loader_search.config import load_config
-    from loader_search.runner import run_study
 
     cfg = load_config(config).with_overrides(name=study_name, trials=n_trials, timeout_s=timeout)
+    from loader_search.runner import run_study  # torch: only once the config is known good
     reporter = RichReporter(console)
     try:
         summary = run_study(cfg, storage=storage, reporter=reporter)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loader_search.errors import UserError
+from loader_search.params import LR_SCALINGS, TrainingSettings
 from loader_search.space import CpuRange, IntRange, SearchSpace, power_of_two_steps
-from loader_search.trial import LR_SCALINGS, TrainingSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,8 +49,9 @@ class StudyConfig:
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     device: str = "auto"
-    training: TrainingSettings = TrainingSettings()
-    space: SearchSpace = SearchSpace()
+    # Frozen dataclasses: sharing one default instance is safe.
+    training: TrainingSettings = TrainingSettings()  # noqa: RUF009
+    space: SearchSpace = SearchSpace()  # noqa: RUF009
     sampler: SamplerConfig = SamplerConfig()
 
     def with_overrides(

@@ -17,3 +17,7 @@ class UserError(Exception):
 
 class TrainingDiverged(RuntimeError):
     """A trial's training produced a non-finite loss (usually a learning rate too large)."""
+
+
+class StudyAborted(RuntimeError):
+    """The study cannot go on (e.g. the baseline loader does not even train)."""

@@ -9,10 +9,10 @@ import optuna
 import torch
 
 from loader_search.errors import TrainingDiverged
-from loader_search.loader import LoaderParams
+from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import PARAMS_ATTR
 from loader_search.space import ResolvedSpace
-from loader_search.trial import TrainingSettings, run_trial
+from loader_search.trial import run_trial
 from loader_search.workloads import Workload
 
 FAILURE_REASON = "failure_reason"

@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.loader import LoaderParams, dataloader_snippet
+from loader_search.params import LoaderParams, dataloader_snippet
 
 THROUGHPUT = "throughput_samples_per_s"
 VAL_LOSS = "val_loss"
@@ -138,9 +138,7 @@ def summarize(study: optuna.Study, loss_tolerance: float) -> StudySummary:
     infeasible trials), sorted fastest first."""
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    baseline = next(
-        (trial_point(t) for t in complete if t.user_attrs.get(BASELINE_ATTR)), None
-    )
+    baseline = next((trial_point(t) for t in complete if t.user_attrs.get(BASELINE_ATTR)), None)
     pareto = tuple(
         sorted(
             (trial_point(t) for t in study.best_trials) if complete else (),

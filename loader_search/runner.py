@@ -21,9 +21,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from loader_search import __version__
 from loader_search.config import StudyConfig
-from loader_search.errors import UserError
-from loader_search.loader import LoaderParams
+from loader_search.errors import StudyAborted, UserError
 from loader_search.objective import FAILURE_MESSAGE, FAILURE_REASON, Objective, TrialFailed
+from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import (
     BASELINE_ATTR,
     DIRECTIONS,
@@ -35,15 +35,11 @@ from loader_search.recommend import (
 from loader_search.space import ResolvedSpace
 from loader_search.storage import mask_url, open_storage, resolve_storage_url
 from loader_search.system import device_name, resolve_device, usable_cpus
-from loader_search.trial import MIN_MEASURED_BATCHES, TrainingSettings, warmup_batches
+from loader_search.trial import MIN_MEASURED_BATCHES, warmup_batches
 from loader_search.workloads import Workload, check_workload, load_workload
 
 DEFAULT_STUDY_NAME = "loader-search"
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-
-
-class StudyAborted(RuntimeError):
-    """The study cannot go on (e.g. the baseline loader does not even train)."""
 
 
 @dataclass(frozen=True)
@@ -286,7 +282,9 @@ def _optimize(
         point = trial_point(trial) if complete else None
         stored = trial.user_attrs.get("loader_params")
         pareto = study.best_trials
-        values = [t.values for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+        values = [
+            t.values for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        ]
         failure = None
         if not complete:
             failure = trial.user_attrs.get(FAILURE_MESSAGE) or trial.user_attrs.get(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from loader_search.loader import LoaderParams
+from loader_search.params import LoaderParams
 
 if TYPE_CHECKING:
     from optuna.trial import Trial
@@ -182,9 +182,7 @@ class ResolvedSpace:
         """Ask the trial for one configuration, suggesting conditional parameters only when
         they apply (so samplers never learn from values that had no effect)."""
         batch_size = trial.suggest_categorical("batch_size", list(self.batch_sizes))
-        num_workers = trial.suggest_int(
-            "num_workers", self.num_workers.low, self.num_workers.high
-        )
+        num_workers = trial.suggest_int("num_workers", self.num_workers.low, self.num_workers.high)
         prefetch_factor: int | None = None
         persistent = False
         if num_workers > 0:

@@ -8,12 +8,15 @@ this module unmasked: every URL shown to a user goes through `mask_url`.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import optuna
 import sqlalchemy.exc
 from sqlalchemy.engine import make_url
 
 from loader_search.errors import UserError
+
+if TYPE_CHECKING:
+    import optuna
 
 DEFAULT_STORAGE = "sqlite:///loader_search.db"
 STORAGE_ENV = "LOADER_SEARCH_STORAGE"
@@ -47,6 +50,8 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     Every failure a user can fix (malformed URL, missing driver, unreachable server, an
     unopenable SQLite file) becomes a one-line `UserError` that shows the URL masked.
     """
+    import optuna
+
     shown = mask_url(url)
     try:
         parsed = make_url(url)

@@ -68,7 +68,9 @@ def resolve_device(spec: str) -> torch.device:
                 " are visible: pick a smaller index"
             )
     elif device.type != "cpu":
-        raise UserError(f"training.device = {spec!r} is not supported: use 'auto', 'cpu' or 'cuda'")
+        raise UserError(
+            f"training.device = {spec!r} is not supported: use 'auto', 'cpu' or 'cuda'"
+        )
     return device
 
 

@@ -11,56 +11,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from loader_search.errors import TrainingDiverged
-from loader_search.loader import LoaderParams, build_loader
+from loader_search.loader import build_loader
 from loader_search.measure import PeakRSS, StepMeter
+from loader_search.params import LoaderParams, TrainingSettings, scaled_lr
 from loader_search.workloads import Workload
-
-LrScaling = Literal["none", "linear", "sqrt"]
-LR_SCALINGS: tuple[LrScaling, ...] = ("none", "linear", "sqrt")
 
 # Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
 MIN_MEASURED_BATCHES = 8
-
-
-@dataclass(frozen=True)
-class TrainingSettings:
-    """How every trial of a study trains; the same for all trials so results compare."""
-
-    train_samples: int = 8192
-    base_batch_size: int = 64
-    lr_scaling: LrScaling = "sqrt"
-    lr: float | None = None  # None: the workload's base_lr, at base_batch_size
-    warmup_batches: int = 2
-    eval_batch_size: int = 256
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.lr_scaling not in LR_SCALINGS:
-            raise ValueError(f"lr_scaling must be one of {LR_SCALINGS}, got {self.lr_scaling!r}")
-        for name in ("train_samples", "base_batch_size", "warmup_batches", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def scaled_lr(base_lr: float, batch_size: int, base_batch_size: int, rule: LrScaling) -> float:
-    """Learning rate for ``batch_size``, scaled from ``base_lr`` at ``base_batch_size``.
-
-    ``linear`` (Goyal et al.) keeps the per-sample step size for SGD; ``sqrt`` keeps the
-    gradient noise scale and is the safer default for adaptive optimisers; ``none`` compares
-    batch sizes at one learning rate, which penalises large batches.
-    """
-    ratio = batch_size / base_batch_size
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    return base_lr
 
 
 def warmup_batches(params: LoaderParams, extra: int) -> int:

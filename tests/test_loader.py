@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from loader_search.loader import LoaderParams, build_loader, dataloader_snippet
+from loader_search.loader import build_loader
+from loader_search.params import LoaderParams, dataloader_snippet
 
 
 @pytest.mark.parametrize(

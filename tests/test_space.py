@@ -3,7 +3,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from loader_search.loader import LoaderParams
+from loader_search.params import LoaderParams
 from loader_search.space import (
     CpuRange,
     IntRange,

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from loader_search.errors import TrainingDiverged
-from loader_search.loader import LoaderParams
-from loader_search.trial import TrainingSettings, run_trial, scaled_lr, warmup_batches
+from loader_search.params import LoaderParams, TrainingSettings, scaled_lr
+from loader_search.trial import run_trial, warmup_batches
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload
 

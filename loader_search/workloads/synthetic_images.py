@@ -89,7 +89,7 @@ def make_images(
     distractors = rng.integers(0, n_classes, size=n)
     shifts = rng.integers(-size // 4, size // 4 + 1, size=(n, 2))
     images = []
-    for label, other, (dy, dx) in zip(labels, distractors, shifts):
+    for label, other, (dy, dx) in zip(labels, distractors, shifts, strict=True):
         signal = np.roll(patterns[label], (int(dy), int(dx)), axis=(0, 1))
         x = 0.65 * signal + 0.35 * patterns[other]
         x = x + rng.normal(0.0, noise, size=x.shape)

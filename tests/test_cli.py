@@ -1,0 +1,217 @@
+"""End to end: the real CLI, real training runs, a real SQLite file read back with Optuna."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from typer.testing import CliRunner
+
+from loader_search.cli import app
+from loader_search.recommend import METRIC_NAMES
+from tests.conftest import run_cli
+
+PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"
+
+
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str]:
+    """One real 3-trial study run through the console entry point."""
+    from tests.conftest import TINY_CONFIG
+
+    folder = tmp_path_factory.mktemp("cli")
+    config = folder / "tiny.toml"
+    config.write_text(TINY_CONFIG.format(trials=3))
+    url = f"sqlite:///{folder / 'studies.db'}"
+    result = run_cli("run", str(config), "--storage", url)
+    assert result.returncode == 0, result.stderr
+    return url, config, result.stdout
+
+
+def test_run_prints_a_recommendation(finished_study: tuple[str, Path, str]) -> None:
+    _, _, stdout = finished_study
+    assert "Created study tiny" in stdout
+    assert "Pareto front of tiny" in stdout
+    assert "Recommended: trial #" in stdout
+    assert "x the baseline" in stdout
+    assert "DataLoader(" in stdout and "torch.set_num_threads(1)" in stdout
+
+
+def test_study_reads_back_with_plain_optuna(finished_study: tuple[str, Path, str]) -> None:
+    url, _, _ = finished_study
+    study = optuna.load_study(study_name="tiny", storage=url)
+    assert study.metric_names == list(METRIC_NAMES)
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    trials = study.get_trials()
+    assert len(trials) == 3
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    baseline = trials[0]
+    assert baseline.user_attrs["baseline"] is True
+    assert baseline.params["batch_size"] == 16 and baseline.params["num_workers"] == 0
+    for trial in trials:
+        attrs = trial.user_attrs
+        assert trial.values[0] == attrs["throughput_samples_per_s"] > 0
+        assert trial.values[1] == attrs["val_loss"] > 0
+        for key in ("data_wait_fraction", "time_to_first_batch_s", "peak_host_rss_bytes"):
+            assert key in attrs
+        assert attrs["loader_params"]["torch_threads"] == 1
+    info = study.user_attrs
+    assert info["usable_cpus"] >= 1
+    assert info["torch_version"] and info["optuna_version"] == optuna.__version__
+    assert info["device"] == "cpu" and info["device_name"].startswith("cpu")
+    assert info["trial_budget"] == 3
+
+
+def test_best_json_matches_the_study(finished_study: tuple[str, Path, str]) -> None:
+    url, _, _ = finished_study
+    result = CliRunner().invoke(app, ["best", "tiny", "--storage", url, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    study = optuna.load_study(study_name="tiny", storage=url)
+    values = {t.number: t.values for t in study.best_trials}
+    assert {p["number"] for p in data["pareto"]} == set(values)
+    for entry in data["pareto"]:
+        assert [entry["throughput"], entry["val_loss"]] == values[entry["number"]]
+        assert {"batch_size", "num_workers", "prefetch_factor"} <= entry["params"].keys()
+    recommended = data["recommended"]
+    assert recommended["number"] in values
+    baseline = study.trials[0].values[0]
+    assert recommended["speedup_vs_baseline"] == pytest.approx(
+        recommended["throughput"] / baseline
+    )
+
+
+def test_studies_lists_counts(finished_study: tuple[str, Path, str]) -> None:
+    url, _, _ = finished_study
+    result = CliRunner().invoke(app, ["studies", "--storage", url])
+    assert result.exit_code == 0
+    row = next(line for line in result.stdout.splitlines() if "tiny" in line)
+    assert "3" in row
+
+
+def test_run_again_continues_to_the_budget(
+    tiny_config: Callable[..., Path], sqlite_url: str
+) -> None:
+    config = tiny_config(trials=2)
+    assert run_cli("run", str(config), "--storage", sqlite_url).returncode == 0
+    again = run_cli("run", str(config), "--storage", sqlite_url)
+    assert again.returncode == 0
+    assert "Continuing study tiny" in again.stdout and "budget already used" in again.stdout
+    more = run_cli("run", str(config), "--storage", sqlite_url, "--n-trials", "3")
+    assert more.returncode == 0, more.stderr
+    trials = optuna.load_study(study_name="tiny", storage=sqlite_url).get_trials()
+    assert len(trials) == 3
+    assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
+
+
+def test_default_and_environment_storage(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+    config = tiny_config(trials=1)
+    work = tmp_path / "work"
+    work.mkdir()
+    assert run_cli("run", str(config), cwd=work).returncode == 0
+    assert (work / "loader_search.db").exists()
+    env_db = tmp_path / "env.db"
+    result = run_cli(
+        "run", str(config), cwd=work, env={"LOADER_SEARCH_STORAGE": f"sqlite:///{env_db}"}
+    )
+    assert result.returncode == 0 and env_db.exists()
+
+
+def _assert_user_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output + result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def _no_study(url: str) -> bool:
+    path = Path(url.removeprefix("sqlite:///"))
+    return not path.exists() or optuna.study.get_all_study_names(url) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "fragment"),
+    [
+        ("seed = 0", "seed = 0\n[extra]\nkey = 1", "unknown table or key 'extra'"),
+        ("{ min = 16, max = 32 }", "{ min = 0, max = 32 }", "space.batch_size.min = 0"),
+        ("train_samples = 512", "train_samples = 64", "training.train_samples = 64 is too small"),
+        ("trials = 1", "trials = -1", "study.trials = -1: must be at least 1"),
+    ],
+)
+def test_bad_config_exits_2_and_creates_nothing(
+    old: str, new: str, fragment: str, tiny_config: Callable[..., Path], sqlite_url: str
+) -> None:
+    path = tiny_config(trials=1)
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    result = CliRunner().invoke(app, ["run", str(path), "--storage", sqlite_url])
+    _assert_user_error(result, fragment)
+    assert _no_study(sqlite_url)
+
+
+def test_unknown_workload_exits_2_and_creates_nothing(
+    tiny_config: Callable[..., Path], sqlite_url: str
+) -> None:
+    path = tiny_config(trials=1)
+    path.write_text(path.read_text().replace('"synthetic-images"', '"imagenet"'))
+    result = CliRunner().invoke(app, ["run", str(path), "--storage", sqlite_url])
+    _assert_user_error(result, "unknown workload 'imagenet'")
+    assert _no_study(sqlite_url)
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("bogus", "is malformed"),
+        ("postgresql+psycopg://me:topsecret@127.0.0.1:1/db", "cannot reach storage"),
+    ],
+)
+def test_bad_storage_exits_2_without_the_password(
+    tiny_config: Callable[..., Path], url: str, fragment: str
+) -> None:
+    for args in (["run", str(tiny_config(trials=1))], ["studies"], ["best", "x"]):
+        result = CliRunner().invoke(app, [*args, "--storage", url])
+        _assert_user_error(result, fragment)
+        assert "topsecret" not in result.output + result.stderr
+
+
+def test_missing_study_and_config(sqlite_url: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["best", "nope", "--storage", sqlite_url])
+    _assert_user_error(result, "no study named 'nope'")
+    result = CliRunner().invoke(app, ["run", str(tmp_path / "none.toml")])
+    _assert_user_error(result, "does not exist")
+
+
+def test_bad_options(tiny_config: Callable[..., Path], sqlite_url: str) -> None:
+    config = str(tiny_config(trials=1))
+    result = CliRunner().invoke(app, ["run", config, "--storage", sqlite_url, "--n-trials", "0"])
+    _assert_user_error(result, "--n-trials 0")
+    assert _no_study(sqlite_url)
+
+
+def test_subprocess_error_is_one_line_and_debug_shows_traceback(tmp_path: Path) -> None:
+    missing = str(tmp_path / "none.toml")
+    plain = run_cli("run", missing)
+    assert plain.returncode == 2
+    assert plain.stderr.strip().count("\n") == 0 and "Traceback" not in plain.stderr
+    debug = run_cli("--debug", "run", missing)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_plugin_workload_from_the_cli(tiny_config: Callable[..., Path], sqlite_url: str) -> None:
+    path = tiny_config(trials=2)
+    text = path.read_text().replace('"synthetic-images"', f'"{PLUGIN}:build"')
+    text = text.replace("image_size = 16\ntrain_size = 256\nval_size = 64", "n = 256")
+    path.write_text(text)
+    result = run_cli("run", str(path), "--storage", sqlite_url)
+    assert result.returncode == 0, result.stderr
+    study = optuna.load_study(study_name="tiny", storage=sqlite_url)
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from loader_search.errors import UserError
+from loader_search.storage import (
+    DEFAULT_STORAGE,
+    STORAGE_ENV,
+    mask_url,
+    open_storage,
+    resolve_storage_url,
+)
+
+
+def test_url_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(STORAGE_ENV, raising=False)
+    assert resolve_storage_url(None) == DEFAULT_STORAGE
+    monkeypatch.setenv(STORAGE_ENV, "sqlite:///env.db")
+    assert resolve_storage_url(None) == "sqlite:///env.db"
+    assert resolve_storage_url("sqlite:///cli.db") == "sqlite:///cli.db"
+
+
+def test_passwords_are_masked() -> None:
+    masked = mask_url("postgresql+psycopg://alice:s3cret@db.example:5432/studies")
+    assert "s3cret" not in masked
+    assert masked == "postgresql+psycopg://alice:***@db.example:5432/studies"
+    assert mask_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_sqlite_file_is_created(tmp_path: Path) -> None:
+    storage = open_storage(f"sqlite:///{tmp_path / 'a.db'}")
+    assert optuna.study.get_all_study_names(storage) == []
+    assert (tmp_path / "a.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("not a url", "is malformed"),
+        ("nosuchdb://host/db", "unknown database dialect 'nosuchdb'"),
+        ("sqlite:////nonexistent-dir/x/studies.db", "cannot reach storage"),
+        ("postgresql+psycopg://bob:hunter2@127.0.0.1:1/test", "cannot reach storage"),
+        ("mysql+pymysql://bob:hunter2@127.0.0.1:1/test", "cannot reach storage"),
+    ],
+)
+def test_bad_storage_is_one_masked_line(url: str, message: str) -> None:
+    with pytest.raises(UserError) as info:
+        open_storage(url)
+    text = str(info.value)
+    assert message in text
+    assert "hunter2" not in text
+    assert "\n" not in text
+
+
+def test_real_postgres_and_mariadb_are_usable() -> None:
+    # The services this machine runs (see README: tests need them for storage checks).
+    for url in (
+        "postgresql+psycopg://postgres@127.0.0.1:5432/test",
+        "mysql+pymysql://root@127.0.0.1:3306/test",
+    ):
+        storage = open_storage(url)
+        assert isinstance(optuna.study.get_all_study_names(storage), list)

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loader_search.errors import UserError
+from loader_search.workloads import Workload, load_workload
+from loader_search.workloads.synthetic_images import synthetic_images
+
+PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"
+
+
+def test_synthetic_images_are_encoded_and_augmented() -> None:
+    workload = synthetic_images(image_size=16, train_size=32, val_size=8, encoding="jpeg")
+    train = workload.train_dataset
+    assert all(isinstance(b, bytes) and b[:2] == b"\xff\xd8" for b in train.images)  # JPEG
+    x, y = train[0]
+    assert x.shape == (3, 16, 16) and x.dtype == torch.float32
+    assert 0 <= y < 10
+    assert torch.equal(train[0][0], x)  # per-index augmentation: the same every access
+    assert not torch.equal(train[1][0], x)
+    val_x, _ = workload.val_dataset[0]
+    assert val_x.shape == (3, 16, 16)
+    assert workload.make_model()(x.unsqueeze(0)).shape == (1, 10)
+
+
+def test_synthetic_images_are_learnable() -> None:
+    # Classes differ in pattern: a nearest-class-mean rule on raw pixels beats chance clearly.
+    workload = synthetic_images(image_size=16, train_size=400, val_size=200)
+    xs = torch.stack([workload.train_dataset[i][0] for i in range(400)])
+    ys = torch.tensor(workload.train_dataset.labels)
+    means = torch.stack([xs[ys == c].mean(0) for c in range(10)])
+    vx = torch.stack([workload.val_dataset[i][0] for i in range(200)])
+    vy = torch.tensor(workload.val_dataset.labels)
+    predicted = torch.cdist(vx.flatten(1), means.flatten(1)).argmin(1)
+    assert (predicted == vy).float().mean() > 0.3  # chance is 0.1
+
+
+def test_builtin_by_name_with_options() -> None:
+    workload = load_workload("synthetic-images", {"image_size": 16, "train_size": 16})
+    assert len(workload.train_dataset) == 16
+    assert workload.options["image_size"] == 16
+
+
+def test_digits_uses_bundled_real_data() -> None:
+    workload = load_workload("digits")
+    assert len(workload.train_dataset) + len(workload.val_dataset) == 1797
+    x, y = workload.train_dataset[0]
+    assert x.shape == (1, 8, 8) and 0 <= y < 10
+    assert workload.make_model()(x.unsqueeze(0)).shape == (1, 10)
+
+
+def test_plugin_from_file_and_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    workload = load_workload(f"{PLUGIN}:build", {"n": 64})
+    assert isinstance(workload, Workload) and len(workload.train_dataset) == 48
+    monkeypatch.syspath_prepend(str(PLUGIN.parent))
+    assert load_workload("my_workload:build").name == "my-workload"
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "message"),
+    [
+        ("imagenet", {}, "unknown workload 'imagenet': use one of synthetic-images, digits"),
+        ("no_such_module_xyz:build", {}, "no module named 'no_such_module_xyz'"),
+        ("missing/file.py:build", {}, "file 'missing/file.py' does not exist"),
+        (f"{PLUGIN}:nothing", {}, "has no function 'nothing'"),
+        (f"{PLUGIN}:not_a_workload", {}, "returned int, not a loader_search.Workload"),
+        ("synthetic-images", {"colour": 3}, "does not accept options ['colour']"),
+        ("synthetic-images", {"image_size": -4}, "image_size = -4: must be a positive integer"),
+        ("synthetic-images", {"encoding": "gif"}, "encoding = 'gif'"),
+    ],
+)
+def test_bad_workloads_are_user_errors(spec: str, options: dict, message: str) -> None:
+    with pytest.raises(UserError) as info:
+        load_workload(spec, options)
+    assert message in str(info.value)
+
+
+def test_a_bug_in_the_users_factory_is_not_hidden() -> None:
+    with pytest.raises(RuntimeError, match="has a bug"):
+        load_workload(f"{PLUGIN}:broken")
