@@ -138,6 +138,7 @@ def run(
 
     cfg = load_config(config).with_overrides(name=study_name, trials=n_trials, timeout_s=timeout)
     from loader_search.runner import run_study  # torch: only once the config is known good
+
     reporter = RichReporter(console)
     try:
         summary = run_study(cfg, storage=storage, reporter=reporter)
@@ -331,17 +332,19 @@ def print_summary(summary: StudySummary) -> None:
     rec = summary.recommended
     if rec is None:
         return
-    headline = f"Recommended: trial #{rec.point.number}, {rec.point.throughput:,.0f} samples/s"
+    headline = (
+        f"[bold]Recommended:[/] trial #{rec.point.number}, {rec.point.throughput:,.0f} samples/s"
+    )
     if rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
         headline += (
-            f", {rec.speedup_vs_baseline:.2f}x the baseline, val_loss"
+            f" = [bold]{rec.speedup_vs_baseline:.2f}x the baseline[/], val_loss"
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
         )
+    out.print(headline)
+    out.print(f"  rule: {rec.rule}", soft_wrap=True)
     out.print(
         Panel(
             Syntax(rec.snippet, "python", theme="ansi_dark", background_color="default"),
-            title=headline,
-            subtitle=f"rule: {rec.rule}",
             expand=False,
         )
     )

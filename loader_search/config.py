@@ -54,6 +54,17 @@ class StudyConfig:
     space: SearchSpace = SearchSpace()  # noqa: RUF009
     sampler: SamplerConfig = SamplerConfig()
 
+    def __post_init__(self) -> None:
+        if self.training.base_batch_size not in self.space.batch_sizes:
+            raise ValueError(
+                f"the baseline batch size {self.training.base_batch_size} is not one of the"
+                f" searched batch sizes {list(self.space.batch_sizes)}"
+            )
+        if self.trials < 1:
+            raise ValueError(f"trials must be at least 1, got {self.trials}")
+        if self.loss_tolerance < 0:
+            raise ValueError(f"loss_tolerance must be >= 0, got {self.loss_tolerance}")
+
     def with_overrides(
         self, *, name: str | None = None, trials: int | None = None, timeout_s: float | None = None
     ) -> StudyConfig:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
@@ -28,8 +28,9 @@ def build_loader(
     order would depend on ``persistent_workers``.)
     """
     sampler = None
-    if shuffle:
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    if shuffle:  # map-style datasets are Sized; the Dataset type just does not say so
+        sized = cast(Sized, dataset)
+        sampler = RandomSampler(sized, generator=torch.Generator().manual_seed(seed))
     return DataLoader(
         dataset,
         sampler=sampler,

@@ -117,13 +117,23 @@ def scaled_lr(base_lr: float, batch_size: int, base_batch_size: int, rule: LrSca
     return base_lr
 
 
-def dataloader_snippet(params: LoaderParams, dataset_name: str = "train_dataset") -> str:
-    """Ready-to-paste Python for the recommended settings."""
+def dataloader_snippet(
+    params: LoaderParams, dataset_name: str = "train_dataset", lr: float | None = None
+) -> str:
+    """Ready-to-paste Python for the recommended settings.
+
+    ``lr`` is the learning rate the trial trained with: a different batch size than the
+    user's comes with its scaled learning rate, and the snippet says so.
+    """
+    lines = []
+    if lr is not None:
+        lines.append(f"# train with lr={lr:.4g} at this batch size (as measured)")
+    lines.append(f"torch.set_num_threads({params.torch_threads})")
     args = [dataset_name, f"batch_size={params.batch_size}", "shuffle=True"]
     args.append(f"num_workers={params.num_workers}")
     if params.num_workers > 0:
         args.append(f"prefetch_factor={params.prefetch_factor}")
         args.append(f"persistent_workers={params.persistent_workers}")
     args.append(f"pin_memory={params.pin_memory}")
-    call = "DataLoader(\n    " + ",\n    ".join(args) + ",\n)"
-    return f"torch.set_num_threads({params.torch_threads})\nloader = {call}"
+    lines.append("loader = DataLoader(\n    " + ",\n    ".join(args) + ",\n)")
+    return "\n".join(lines)

@@ -13,7 +13,7 @@ trial dominating it would be faster and also within the tolerance.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -23,7 +23,7 @@ from loader_search.params import LoaderParams, dataloader_snippet
 THROUGHPUT = "throughput_samples_per_s"
 VAL_LOSS = "val_loss"
 METRIC_NAMES = (THROUGHPUT, VAL_LOSS)
-DIRECTIONS = ("maximize", "minimize")
+DIRECTIONS: tuple[Literal["maximize"], Literal["minimize"]] = ("maximize", "minimize")
 BASELINE_ATTR = "baseline"
 PARAMS_ATTR = "loader_params"
 
@@ -37,6 +37,7 @@ class TrialPoint:
     throughput: float
     val_loss: float
     is_baseline: bool
+    lr: float | None = None  # the learning rate it trained with (scaled for its batch size)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +45,7 @@ class TrialPoint:
             "params": self.params.as_dict(),
             "throughput": self.throughput,
             "val_loss": self.val_loss,
+            "lr": self.lr,
             "baseline": self.is_baseline,
         }
 
@@ -57,7 +59,7 @@ class Recommendation:
 
     @property
     def snippet(self) -> str:
-        return dataloader_snippet(self.point.params)
+        return dataloader_snippet(self.point.params, lr=self.point.lr)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +108,7 @@ def trial_point(trial: FrozenTrial) -> TrialPoint:
         throughput=trial.values[0],
         val_loss=trial.values[1],
         is_baseline=bool(trial.user_attrs.get(BASELINE_ATTR, False)),
+        lr=trial.user_attrs.get("lr"),
     )
 
 

@@ -131,10 +131,10 @@ def make_sampler(config: StudyConfig, space: ResolvedSpace) -> optuna.samplers.B
     return optuna.samplers.TPESampler(**kwargs)
 
 
-def _fingerprint(config: StudyConfig, workload: Workload) -> dict[str, Any]:
+def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str, Any]:
     """What a continued study must share with the one that created it."""
     return {
-        "workload": config.workload,
+        "workload": spec,
         "workload_options": dict(workload.options or config.workload_options),
         "space": config.space.as_dict(),
         "training": {
@@ -225,9 +225,12 @@ def _run(
     url = resolve_storage_url(storage)
     rdb = open_storage(url)
     if workload is None:
+        spec = config.workload
         workload = load_workload(config.workload, config.workload_options)
+    else:
+        spec = f"python:{workload.name}"  # built in memory by the caller
     name = config.name or DEFAULT_STUDY_NAME
-    fingerprint = _fingerprint(config, workload)
+    fingerprint = _fingerprint(config, workload, spec)
     study, created = _open_study(rdb, name, config, make_sampler(config, space), fingerprint)
     if created:
         study.set_user_attr("fingerprint", fingerprint)

@@ -189,7 +189,7 @@ def _train(
         targets = targets.to(device, non_blocking=params.pin_memory)
         loss = workload.loss_fn(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         seen += n
         meter.step(n)

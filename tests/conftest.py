@@ -13,6 +13,30 @@ from loader_search.workloads.synthetic_images import synthetic_images
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The database servers this project's machines run (README: "Running the tests").
+POSTGRES_URL = os.environ.get(
+    "LOADER_SEARCH_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+MARIADB_URL = os.environ.get(
+    "LOADER_SEARCH_TEST_MARIADB", "mysql+pymysql://root@127.0.0.1:3306/test"
+)
+
+
+def require_database(url: str) -> None:
+    """Skip when the server is not running here; fail instead under CI's strict setting."""
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(url)
+        with engine.connect():
+            pass
+        engine.dispose()
+    except Exception as exc:
+        if os.environ.get("LOADER_SEARCH_REQUIRE_DBS"):
+            pytest.fail(f"database {url} is required but unreachable: {exc}")
+        pytest.skip(f"database {url} is not reachable here")
+
+
 # A study config small enough that a whole CLI run takes seconds on 2 cores.
 TINY_CONFIG = """
 [study]

@@ -50,7 +50,8 @@ def test_shuffle_order_does_not_depend_on_loader_settings() -> None:
 
 def test_snippet_is_runnable_python() -> None:
     params = LoaderParams(16, 1, 3, persistent_workers=True, torch_threads=1)
-    snippet = dataloader_snippet(params)
+    snippet = dataloader_snippet(params, lr=0.014142)
+    assert snippet.startswith("# train with lr=0.01414 at this batch size")
     namespace = {
         "torch": torch,
         "DataLoader": DataLoader,

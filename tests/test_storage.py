@@ -13,6 +13,7 @@ from loader_search.storage import (
     open_storage,
     resolve_storage_url,
 )
+from tests.conftest import MARIADB_URL, POSTGRES_URL, require_database
 
 
 def test_url_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,11 +56,8 @@ def test_bad_storage_is_one_masked_line(url: str, message: str) -> None:
     assert "\n" not in text
 
 
-def test_real_postgres_and_mariadb_are_usable() -> None:
-    # The services this machine runs (see README: tests need them for storage checks).
-    for url in (
-        "postgresql+psycopg://postgres@127.0.0.1:5432/test",
-        "mysql+pymysql://root@127.0.0.1:3306/test",
-    ):
-        storage = open_storage(url)
-        assert isinstance(optuna.study.get_all_study_names(storage), list)
+@pytest.mark.parametrize("url", [POSTGRES_URL, MARIADB_URL])
+def test_real_postgres_and_mariadb_are_usable(url: str) -> None:
+    require_database(url)
+    storage = open_storage(url)
+    assert isinstance(optuna.study.get_all_study_names(storage), list)

@@ -55,7 +55,8 @@ class DigitsNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+        logits: torch.Tensor = self.body(x)
+        return logits
 
 
 def digits(val_fraction: float = 0.2, width: int = 32, seed: int = 0) -> Workload:

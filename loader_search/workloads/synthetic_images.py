@@ -120,7 +120,8 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(2 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
+        logits: torch.Tensor = self.head(self.features(x).flatten(1))
+        return logits
 
 
 def synthetic_images(
