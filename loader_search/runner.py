@@ -35,7 +35,7 @@ from loader_search.recommend import (
 from loader_search.space import ResolvedSpace
 from loader_search.storage import mask_url, open_storage, resolve_storage_url
 from loader_search.system import device_name, resolve_device, usable_cpus
-from loader_search.trial import MIN_MEASURED_BATCHES, warmup_batches
+from loader_search.trial import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.workloads import Workload, check_workload, load_workload
 
 DEFAULT_STUDY_NAME = "loader-search"
@@ -100,7 +100,7 @@ def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
         num_workers=space.num_workers.high,
         prefetch_factor=space.prefetch_factor.high if space.num_workers.high else None,
     )
-    needed = warmup_batches(worst, settings.warmup_batches) + MIN_MEASURED_BATCHES
+    needed = batches_needed(worst, settings.warmup_batches)
     if math.ceil(settings.train_samples / batch) < needed:
         raise UserError(
             f"training.train_samples = {settings.train_samples} is too small: batch size"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -64,7 +65,8 @@ class TrialResult:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def _sync_for(device: torch.device) -> Any:
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work (CUDA runs asynchronously); a no-op on CPU."""
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
@@ -84,7 +86,7 @@ def run_trial(
     device = torch.device(device)
     warmup = warmup_batches(params, settings.warmup_batches)
     steps = math.ceil(settings.train_samples / params.batch_size)
-    if steps < warmup + MIN_MEASURED_BATCHES:
+    if steps < batches_needed(params, settings.warmup_batches):
         raise ValueError(
             f"train_samples = {settings.train_samples} gives {steps} batches of"
             f" {params.batch_size}, but {warmup} warm-up + {MIN_MEASURED_BATCHES} measured"

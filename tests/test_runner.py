@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import dataclasses
+
+import optuna
+import pytest
+import torch
+import torch.nn.functional as F
+from optuna.trial import TrialState
+
+from loader_search.config import SamplerConfig, StudyConfig
+from loader_search.errors import StudyAborted, UserError
+from loader_search.params import TrainingSettings
+from loader_search.runner import check_budget, make_sampler, run_study
+from loader_search.space import CpuRange, IntRange, SearchSpace
+from loader_search.workloads import Workload
+
+SPACE = SearchSpace(
+    batch_sizes=(16, 32),
+    num_workers=CpuRange(0, 1),
+    prefetch_factor=IntRange(1, 2),
+    persistent_workers=False,
+    torch_threads=1,
+)
+CONFIG = StudyConfig(
+    name="runner",
+    trials=3,
+    device="cpu",
+    training=TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64),
+    space=SPACE,
+)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "expected"),
+    [
+        (SamplerConfig(), optuna.samplers.TPESampler),
+        (SamplerConfig(name="tpe", multivariate=True), optuna.samplers.TPESampler),
+        (SamplerConfig(name="random"), optuna.samplers.RandomSampler),
+        (SamplerConfig(name="nsga2", population_size=4), optuna.samplers.NSGAIISampler),
+        (SamplerConfig(name="grid"), optuna.samplers.GridSampler),
+    ],
+)
+def test_make_sampler(sampler: SamplerConfig, expected: type) -> None:
+    config = dataclasses.replace(CONFIG, sampler=sampler)
+    assert isinstance(make_sampler(config, SPACE.resolve(2, cuda=False)), expected)
+
+
+@pytest.mark.parametrize("name", ["nsga2", "grid"])
+def test_other_samplers_run_real_studies(
+    name: str, tiny_workload: Workload, sqlite_url: str
+) -> None:
+    config = dataclasses.replace(CONFIG, sampler=SamplerConfig(name=name))
+    summary = run_study(config, workload=tiny_workload, storage=sqlite_url)
+    assert summary.n_complete == 3
+    study = optuna.load_study(study_name="runner", storage=sqlite_url)
+    assert study.trials[0].user_attrs["baseline"] is True
+    assert study.trials[0].params["num_workers"] == 0
+
+
+def test_budget_check_names_the_fix() -> None:
+    # Batch 32 with 1 worker x prefetch 2: 2 prefetched + 2 warm-up + 8 measured batches.
+    space = SPACE.resolve(usable_cpus=1, cuda=False)
+    small = TrainingSettings(train_samples=100, base_batch_size=16)
+    with pytest.raises(UserError, match="needs 12 batches .* raise it to at least 384"):
+        check_budget(small, space)
+    with pytest.raises(UserError):
+        check_budget(dataclasses.replace(small, train_samples=352), space)
+    check_budget(dataclasses.replace(small, train_samples=384), space)
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # A bug in the user's code that only one batch size triggers.
+        if len(targets) == 32:
+            raise RuntimeError("boom on batch 32")
+        return F.cross_entropy(outputs, targets)
+
+    workload = dataclasses.replace(tiny_workload, loss_fn=loss_fn)
+    space = dataclasses.replace(SPACE, prefetch_factor=IntRange(1, 1))  # a 4-point grid
+    config = dataclasses.replace(CONFIG, trials=5, space=space, sampler=SamplerConfig("grid"))
+    run_study(config, workload=workload, storage=sqlite_url)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert len(trials) == 5
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert failed
+    for trial in failed:
+        assert trial.params["batch_size"] == 32
+        assert trial.user_attrs["failure_reason"] == "exception"
+        assert "boom on batch 32" in trial.user_attrs["failure_message"]
+        assert "RuntimeError" in trial.user_attrs["failure_traceback"]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert complete and all(t.params["batch_size"] == 16 for t in complete)
+
+
+def test_a_failing_baseline_aborts_the_study(tiny_workload: Workload, sqlite_url: str) -> None:
+    def broken_model() -> torch.nn.Module:
+        raise RuntimeError("model cannot be built")
+
+    workload = dataclasses.replace(tiny_workload, make_model=broken_model)
+    with pytest.raises(StudyAborted, match="baseline trial \\(#0\\) failed"):
+        run_study(CONFIG, workload=workload, storage=sqlite_url)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert len(trials) == 1 and trials[0].state == TrialState.FAIL
