@@ -236,7 +236,8 @@ class RichReporter:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"),
+            TextColumn("{task.fields[best]}"),
+            TextColumn("[dim]{task.fields[running]}"),
             console=out,
             transient=True,
         )
@@ -259,12 +260,12 @@ class RichReporter:
             return
         self.progress.start()
         self.task = self.progress.add_task(
-            "trials", total=info.budget, completed=info.finished, status=""
+            "trials", total=info.budget, completed=info.finished, best="", running=""
         )
 
     def trial_started(self, number: int, params: LoaderParams) -> None:
         if self.task is not None:
-            self.progress.update(self.task, status=f"running #{number}: {params.describe()}")
+            self.progress.update(self.task, running=f"running #{number}: {params.describe()}")
 
     def trial_finished(self, event: TrialEvent) -> None:
         settings = event.params.describe() if event.params else ""
@@ -286,7 +287,7 @@ class RichReporter:
                 if event.best_throughput is not None and event.best_val_loss is not None
                 else f"Pareto {event.pareto_size}"
             )
-            self.progress.update(self.task, completed=event.finished, status=best)
+            self.progress.update(self.task, completed=event.finished, best=best, running="")
 
     def close(self) -> None:
         self.progress.stop()
@@ -335,7 +336,12 @@ def print_summary(summary: StudySummary) -> None:
     headline = (
         f"[bold]Recommended:[/] trial #{rec.point.number}, {rec.point.throughput:,.0f} samples/s"
     )
-    if rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
+    if rec.point.is_baseline:
+        headline = (
+            f"[bold]Recommended: keep the baseline[/] (trial #{rec.point.number}): no faster"
+            " setting within the loss tolerance was found; try more trials"
+        )
+    elif rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
         headline += (
             f" = [bold]{rec.speedup_vs_baseline:.2f}x the baseline[/], val_loss"
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"

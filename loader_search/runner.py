@@ -161,6 +161,27 @@ def _environment(device: torch.device, cpus: int) -> dict[str, Any]:
     }
 
 
+def count_finished(study: optuna.Study) -> int:
+    """Trials that used the study's budget: finished ones, except those the user interrupted
+    (they gave no result; running the study again replaces them)."""
+    return sum(
+        trial.user_attrs.get(FAILURE_REASON) != "interrupted"
+        for trial in study.get_trials(deepcopy=False, states=FINISHED_STATES)
+    )
+
+
+def _ensure_baseline(study: optuna.Study, space: ResolvedSpace, batch_size: int) -> None:
+    """Queue the baseline unless one completed or is queued or running.
+
+    The baseline is the loader most users start from, so every result reads as a speedup
+    over it; it runs first in a new study, and again in a continued study whose baseline was
+    interrupted or failed.
+    """
+    present = (TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING)
+    if not any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(states=present)):
+        study.enqueue_trial(space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
+
+
 def _open_study(
     storage: optuna.storages.RDBStorage,
     name: str,
@@ -238,14 +259,11 @@ def _run(
         study.set_user_attr("sampler", config.sampler.name)
         for key, value in _environment(device, cpus).items():
             study.set_user_attr(key, value)
-        # The first trial is the loader most users start from, so results read as speedups.
-        study.enqueue_trial(
-            space.baseline(config.training.base_batch_size), user_attrs={BASELINE_ATTR: True}
-        )
+    _ensure_baseline(study, space, config.training.base_batch_size)
     study.set_user_attr("trial_budget", config.trials)
     study.set_user_attr("loss_tolerance", config.loss_tolerance)
 
-    finished = len(study.get_trials(deepcopy=False, states=FINISHED_STATES))
+    finished = count_finished(study)
     reporter.study_started(
         StudyInfo(
             name=name,
@@ -275,6 +293,7 @@ def _optimize(
     n_trials: int,
 ) -> None:
     started: dict[int, float] = {}
+    failed_baseline: list[FrozenTrial] = []
 
     def on_start(number: int, params: LoaderParams) -> None:
         started[number] = time.perf_counter()
@@ -302,7 +321,7 @@ def _optimize(
                 val_loss=point.val_loss if point else None,
                 failure=failure,
                 duration_s=time.perf_counter() - started.get(trial.number, time.perf_counter()),
-                finished=len(study.get_trials(deepcopy=False, states=FINISHED_STATES)),
+                finished=count_finished(study),
                 budget=config.trials,
                 pareto_size=len(pareto),
                 best_throughput=max((v[0] for v in values), default=None),
@@ -310,6 +329,7 @@ def _optimize(
             )
         )
         if not complete and trial.user_attrs.get(BASELINE_ATTR):
+            failed_baseline.append(trial)
             study.stop()
 
     objective = Objective(workload, space, config.training, device, on_start)
@@ -320,10 +340,8 @@ def _optimize(
         catch=(TrialFailed,),
         callbacks=[on_end],
     )
-    baseline = next(
-        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(BASELINE_ATTR)), None
-    )
-    if baseline is not None and baseline.state == TrialState.FAIL:
+    if failed_baseline:
+        baseline = failed_baseline[0]
         message = baseline.user_attrs.get(FAILURE_MESSAGE, "failed")
         raise StudyAborted(
             f"the baseline trial (#{baseline.number}) failed: {message}. The workload does not"

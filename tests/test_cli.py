@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -215,3 +220,45 @@ def test_plugin_workload_from_the_cli(tiny_config: Callable[..., Path], sqlite_u
     assert result.returncode == 0, result.stderr
     study = optuna.load_study(study_name="tiny", storage=sqlite_url)
     assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2
+
+
+def test_ctrl_c_records_the_running_trial_as_interrupted(
+    tiny_config: Callable[..., Path], sqlite_url: str
+) -> None:
+    path = tiny_config(trials=3)
+    path.write_text(path.read_text().replace("train_samples = 512", "train_samples = 200000"))
+    env = {k: v for k, v in os.environ.items() if k != "LOADER_SEARCH_STORAGE"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loader_search", "run", str(path), "--storage", sqlite_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until a trial is training
+            if Path(sqlite_url.removeprefix("sqlite:///")).exists() and any(
+                s.state == TrialState.RUNNING for s in _trials_or_empty(sqlite_url)
+            ):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("no trial started within 120 s")
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "Interrupted" in stderr and "Traceback" not in stderr
+    trials = _trials_or_empty(sqlite_url)
+    assert [t.state for t in trials] == [TrialState.FAIL]
+    assert trials[0].user_attrs["failure_reason"] == "interrupted"
+
+
+def _trials_or_empty(url: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name="tiny", storage=url).get_trials()
+    except KeyError:  # the study is not created yet
+        return []

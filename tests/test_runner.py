@@ -62,7 +62,7 @@ def test_budget_check_names_the_fix() -> None:
     # Batch 32 with 1 worker x prefetch 2: 2 prefetched + 2 warm-up + 8 measured batches.
     space = SPACE.resolve(usable_cpus=1, cuda=False)
     small = TrainingSettings(train_samples=100, base_batch_size=16)
-    with pytest.raises(UserError, match="needs 12 batches .* raise it to at least 384"):
+    with pytest.raises(UserError, match=r"needs 12 batches .* raise it to at least 384"):
         check_budget(small, space)
     with pytest.raises(UserError):
         check_budget(dataclasses.replace(small, train_samples=352), space)
@@ -104,3 +104,24 @@ def test_a_failing_baseline_aborts_the_study(tiny_workload: Workload, sqlite_url
         run_study(CONFIG, workload=workload, storage=sqlite_url)
     trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
     assert len(trials) == 1 and trials[0].state == TrialState.FAIL
+
+
+def test_an_interrupted_baseline_is_run_again_and_uses_no_budget(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    # The state a Ctrl-C during the first trial leaves (see test_cli for the real signal).
+    study = optuna.create_study(
+        study_name="runner", storage=sqlite_url, directions=["maximize", "minimize"]
+    )
+    study.enqueue_trial({"batch_size": 16, "num_workers": 0}, user_attrs={"baseline": True})
+    trial = study.ask()
+    trial.set_user_attr("failure_reason", "interrupted")
+    study.tell(trial, state=TrialState.FAIL)
+
+    config = dataclasses.replace(CONFIG, trials=2)
+    summary = run_study(config, workload=tiny_workload, storage=sqlite_url)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
+    assert trials[1].user_attrs["baseline"] is True
+    assert summary.baseline is not None and summary.baseline.number == 1
+    assert summary.recommended is not None and summary.recommended.speedup_vs_baseline
