@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.syntax import Syntax
@@ -77,11 +78,11 @@ def _reports_errors(command: F) -> F:
             return command(*args, **kwargs)
         except UserError as exc:
             _debug_traceback()
-            err_console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+            err_console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(2) from None
         except StudyAborted as exc:
             _debug_traceback()
-            err_console.print(f"[red]error:[/] {exc}", soft_wrap=True)
+            err_console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print(
@@ -192,9 +193,9 @@ def studies(storage: StorageOption = None) -> None:
     rdb = open_storage(url)
     names = optuna.study.get_all_study_names(rdb)
     if not names:
-        console.print(f"No studies in {mask_url(url)}.")
+        console.print(escape(f"No studies in {mask_url(url)}."))
         return
-    table = Table(title=f"Studies in {mask_url(url)}")
+    table = Table(title=escape(f"Studies in {mask_url(url)}"))
     for column in ("study", "complete", "failed", "running", "budget", "best samples/s"):
         table.add_column(column, justify="left" if column == "study" else "right")
     for name in names:
@@ -203,7 +204,7 @@ def studies(storage: StorageOption = None) -> None:
         done = [t for t in trials if t.state == TrialState.COMPLETE]
         best_tp = max((t.values[0] for t in done if t.values), default=None)
         table.add_row(
-            name,
+            escape(name),
             str(len(done)),
             str(sum(t.state == TrialState.FAIL for t in trials)),
             str(sum(t.state == TrialState.RUNNING for t in trials)),
@@ -246,13 +247,13 @@ class RichReporter:
     def study_started(self, info: StudyInfo) -> None:
         verb = "Created" if info.created else "Continuing"
         self.console.print(
-            f"{verb} study [bold]{info.name}[/] in {info.storage}\n"
-            f"  workload: {info.workload}\n"
+            f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}\n"
+            f"  workload: {escape(info.workload)}\n"
             f"  device: {info.device}, {info.usable_cpus} usable CPU(s);"
             f" {info.finished}/{info.budget} trials done"
         )
         for note in info.notes:
-            self.console.print(f"  [yellow]note:[/] {note}")
+            self.console.print(f"  [yellow]note:[/] {escape(note)}")
         if info.finished >= info.budget:
             self.console.print(
                 f"  Trial budget already used; raise --n-trials above {info.budget} to run more."
@@ -277,7 +278,7 @@ class RichReporter:
         else:
             self.console.print(
                 f"  #{event.number:<3} [red]failed[/] ({event.duration_s:.1f}s) {settings}:"
-                f" {event.failure}",
+                f" {escape(event.failure or '')}",
                 soft_wrap=True,
             )
         if self.task is not None:
@@ -300,10 +301,10 @@ def print_summary(summary: StudySummary) -> None:
     if summary.n_running:
         trials += f", {summary.n_running} running"
     if not summary.pareto:
-        out.print(f"Study {summary.study_name}: {trials}; no completed trial yet.")
+        out.print(escape(f"Study {summary.study_name}: {trials}; no completed trial yet."))
         return
     base = summary.baseline
-    table = Table(title=f"Pareto front of {summary.study_name} ({trials})")
+    table = Table(title=escape(f"Pareto front of {summary.study_name} ({trials})"))
     columns = ("#", "batch", "workers", "prefetch", "persist", "pin", "threads", "samples/s")
     for column in (*columns, "val_loss", "speedup"):
         table.add_column(column, justify="right", no_wrap=True)

@@ -169,6 +169,13 @@ def test_bad_config_exits_2_and_creates_nothing(
     assert _no_study(sqlite_url)
 
 
+def test_error_text_is_printed_verbatim(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("study = 3\n")
+    result = CliRunner().invoke(app, ["run", str(path)])
+    _assert_user_error(result, "[study] must be a table, got 3")
+
+
 def test_unknown_workload_exits_2_and_creates_nothing(
     tiny_config: Callable[..., Path], sqlite_url: str
 ) -> None:
