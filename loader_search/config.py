@@ -98,7 +98,8 @@ class _Table:
         return self.data.pop(key, default)
 
     def table(self, key: str) -> _Table:
-        return _Table(self.source, f"{self.prefix}.{key}", self.pop(key, {}))
+        prefix = f"{self.prefix}.{key}" if self.prefix else key
+        return _Table(self.source, prefix, self.pop(key, {}))
 
     def int(self, key: str, default: Any, *, minimum: int | None = None) -> Any:
         value = self.pop(key, default)
@@ -201,9 +202,6 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
             f"{source}: unknown table or key {key!r}"
             " (use [study], [sampler], [workload], [training], [space])"
         )
-    for table in (study, sampler, workload, training, space):
-        table.prefix = table.prefix.lstrip(".")
-
     defaults = StudyConfig()
     name = study.string("name", None)
     trials = study.int("trials", defaults.trials, minimum=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -249,16 +250,15 @@ def test_ctrl_c_records_the_running_trial_as_interrupted(
         text=True,
         env=env,
     )
+    db = Path(sqlite_url.removeprefix("sqlite:///"))
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until a trial is training
-            if Path(sqlite_url.removeprefix("sqlite:///")).exists() and any(
-                s.state == TrialState.RUNNING for s in _trials_or_empty(sqlite_url)
-            ):
-                break
+        while not _a_trial_is_running(db):  # wait until a trial is training
+            if process.poll() is not None:
+                pytest.fail(f"the run ended early: {process.communicate()[1]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no trial started within 120 s")
             time.sleep(0.5)
-        else:
-            pytest.fail("no trial started within 120 s")
         time.sleep(1.0)
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
@@ -266,13 +266,18 @@ def test_ctrl_c_records_the_running_trial_as_interrupted(
         process.kill()
     assert process.returncode == 130, stderr
     assert "Interrupted" in stderr and "Traceback" not in stderr
-    trials = _trials_or_empty(sqlite_url)
+    trials = optuna.load_study(study_name="tiny", storage=sqlite_url).get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL]
     assert trials[0].user_attrs["failure_reason"] == "interrupted"
 
 
-def _trials_or_empty(url: str) -> list[optuna.trial.FrozenTrial]:
+def _a_trial_is_running(db: Path) -> bool:
+    """Read-only look at Optuna's tables, so the poll never races the run's schema creation."""
+    if not db.exists():
+        return False
     try:
-        return optuna.load_study(study_name="tiny", storage=url).get_trials()
-    except KeyError:  # the study is not created yet
-        return []
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
+            rows = connection.execute("SELECT count(*) FROM trials WHERE state = 'RUNNING'")
+            return bool(rows.fetchone()[0])
+    except sqlite3.OperationalError:  # tables not created yet, or briefly locked
+        return False
