@@ -224,7 +224,13 @@ def _load_study(storage: Any, name: str, url: str) -> Any:
             f"no study named {name!r} in {mask_url(url)} (studies there: {known});"
             " check the name or --storage"
         )
-    return optuna.load_study(study_name=name, storage=storage)
+    study = optuna.load_study(study_name=name, storage=storage)
+    if len(study.directions) != 2:
+        raise UserError(
+            f"study {name!r} has {len(study.directions)} objective(s), not loader-search's two"
+            " (throughput, val_loss): it was not created by loader-search"
+        )
+    return study
 
 
 class RichReporter:

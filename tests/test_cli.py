@@ -210,6 +210,12 @@ def test_missing_study_and_config(sqlite_url: str, tmp_path: Path) -> None:
     _assert_user_error(result, "does not exist")
 
 
+def test_a_foreign_study_is_refused(sqlite_url: str) -> None:
+    optuna.create_study(study_name="other", storage=sqlite_url)
+    result = CliRunner().invoke(app, ["best", "other", "--storage", sqlite_url])
+    _assert_user_error(result, "it was not created by loader-search")
+
+
 def test_bad_options(tiny_config: Callable[..., Path], sqlite_url: str) -> None:
     config = str(tiny_config(trials=1))
     result = CliRunner().invoke(app, ["run", config, "--storage", sqlite_url, "--n-trials", "0"])

@@ -17,7 +17,7 @@ def test_quickstart_parses() -> None:
     assert config.trials >= 16
     assert config.space.batch_sizes == (32, 64, 128, 256)
     assert config.space.num_workers == CpuRange(0, None)
-    assert config.space.torch_threads == CpuRange(1, None)
+    assert config.space.torch_threads is None  # the default rule
     assert config.training.base_batch_size == 64
 
 
