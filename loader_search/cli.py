@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import traceback
@@ -86,8 +87,8 @@ def _reports_errors(command: F) -> F:
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print(
-                "Interrupted: the running trial was recorded as failed (interrupted);"
-                " run the same command again to continue the study."
+                "Interrupted. A trial that was running is recorded as failed (interrupted)"
+                " and uses no budget; run the same command again to continue the study."
             )
             raise typer.Exit(130) from None
 
@@ -137,12 +138,12 @@ def run(
     """
     from loader_search.config import load_config
 
-    cfg = load_config(config).with_overrides(name=study_name, trials=n_trials, timeout_s=timeout)
+    cfg = load_config(config).with_overrides(name=study_name, timeout_s=timeout)
     from loader_search.runner import run_study  # torch: only once the config is known good
 
     reporter = RichReporter(console)
     try:
-        summary = run_study(cfg, storage=storage, reporter=reporter)
+        summary = run_study(cfg, storage=storage, n_trials=n_trials, reporter=reporter)
     finally:
         reporter.close()
     print_summary(summary)
@@ -166,10 +167,10 @@ def best(
     from loader_search.recommend import summarize
     from loader_search.storage import open_storage, resolve_storage_url
 
-    url = resolve_storage_url(storage)
-    loaded = _load_study(open_storage(url), study, url)
-    if loss_tolerance is not None and loss_tolerance < 0:
+    if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
         raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
+    url = resolve_storage_url(storage)
+    loaded = _load_study(open_storage(url, must_exist=True), study, url)
     tolerance = loss_tolerance
     if tolerance is None:
         tolerance = float(loaded.user_attrs.get("loss_tolerance", 0.05))
@@ -190,7 +191,7 @@ def studies(storage: StorageOption = None) -> None:
     from loader_search.storage import open_storage, resolve_storage_url
 
     url = resolve_storage_url(storage)
-    rdb = open_storage(url)
+    rdb = open_storage(url, must_exist=True)
     names = optuna.study.get_all_study_names(rdb)
     if not names:
         console.print(escape(f"No studies in {mask_url(url)}."))
@@ -225,10 +226,11 @@ def _load_study(storage: Any, name: str, url: str) -> Any:
             " check the name or --storage"
         )
     study = optuna.load_study(study_name=name, storage=storage)
-    if len(study.directions) != 2:
+    directions = [d.name.lower() for d in study.directions]
+    if directions != ["maximize", "minimize"] or "fingerprint" not in study.user_attrs:
         raise UserError(
-            f"study {name!r} has {len(study.directions)} objective(s), not loader-search's two"
-            " (throughput, val_loss): it was not created by loader-search"
+            f"study {name!r} was not created by loader-search (it needs its two objectives,"
+            " throughput and val_loss): pick one from `loader-search studies`"
         )
     return study
 

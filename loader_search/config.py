@@ -62,21 +62,23 @@ class StudyConfig:
             )
         if self.trials < 1:
             raise ValueError(f"trials must be at least 1, got {self.trials}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in 0 .. 2**32 - 1, got {self.seed}")
         if self.loss_tolerance < 0:
             raise ValueError(f"loss_tolerance must be >= 0, got {self.loss_tolerance}")
 
     def with_overrides(
-        self, *, name: str | None = None, trials: int | None = None, timeout_s: float | None = None
+        self, *, name: str | None = None, timeout_s: float | None = None
     ) -> StudyConfig:
-        """The config with command-line values applied (CLI > file > default)."""
-        if trials is not None and trials < 1:
-            raise UserError(f"--n-trials {trials}: must be at least 1")
-        if timeout_s is not None and not timeout_s > 0:
+        """The config with command-line values applied (CLI > file > default). The trial
+        budget is not here: `run_study` takes it, as a continued study keeps its own."""
+        if name is not None and not name.strip():
+            raise UserError("--study-name is empty: give a name, or leave it out")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
         return replace(
             self,
             name=name if name is not None else self.name,
-            trials=trials if trials is not None else self.trials,
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
         )
 
@@ -207,6 +209,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     trials = study.int("trials", defaults.trials, minimum=1)
     timeout_s = study.number("timeout_s", None, positive=True)
     seed = study.int("seed", defaults.seed, minimum=0)
+    if seed >= 2**32:
+        raise study.error("seed", seed, "must be below 2**32 (4294967296)")
     loss_tolerance = study.number("loss_tolerance", defaults.loss_tolerance)
     study.done()
 
@@ -358,7 +362,9 @@ def _parse_prefetch(table: _Table, default: IntRange) -> IntRange:
     if value is None:
         return default
     if _is_int(value):
-        value = {"min": value, "max": value}
+        if value < 1:  # 0 passes DataLoader's constructor but fails when the loader iterates
+            raise table.error("prefetch_factor", value, "must be at least 1")
+        return IntRange(value, value)
     if not isinstance(value, dict):
         raise table.error("prefetch_factor", value, "use { min = 1, max = 8 } or one integer")
     sub = _Table(table.source, f"{table.prefix}.prefetch_factor", value)

@@ -36,7 +36,7 @@ from loader_search.space import ResolvedSpace
 from loader_search.storage import mask_url, open_storage, resolve_storage_url
 from loader_search.system import device_name, resolve_device, usable_cpus
 from loader_search.trial import MIN_MEASURED_BATCHES, batches_needed
-from loader_search.workloads import Workload, check_workload, load_workload
+from loader_search.workloads import Workload, load_workload
 
 DEFAULT_STUDY_NAME = "loader-search"
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
@@ -110,18 +110,25 @@ def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
         )
 
 
-def make_sampler(config: StudyConfig, space: ResolvedSpace) -> optuna.samplers.BaseSampler:
+def make_sampler(config: StudyConfig, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The configured sampler. ``seed_offset`` (the trials a continued study already has)
+    shifts the seed, so a continued study does not propose its first settings again."""
     sampler = config.sampler
+    seed = (config.seed + seed_offset) % 2**32
     if sampler.name == "random":
-        return optuna.samplers.RandomSampler(seed=config.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     if sampler.name == "nsga2":
-        kwargs: dict[str, Any] = {"seed": config.seed}
+        kwargs: dict[str, Any] = {"seed": seed}
         if sampler.population_size is not None:
             kwargs["population_size"] = sampler.population_size
         return optuna.samplers.NSGAIISampler(**kwargs)
     if sampler.name == "grid":
-        return optuna.samplers.GridSampler(space.grid(), seed=config.seed)
-    kwargs = {"seed": config.seed}
+        # Every valid combination once: unlike GridSampler, BruteForceSampler follows the
+        # conditional parameters (no prefetch_factor grid for num_workers=0).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.BruteForceSampler(seed=seed)
+    kwargs = {"seed": seed}
     if sampler.multivariate is not None:
         # Conditional parameters (prefetch only with workers) need group sampling.
         kwargs["multivariate"] = sampler.multivariate
@@ -131,9 +138,13 @@ def make_sampler(config: StudyConfig, space: ResolvedSpace) -> optuna.samplers.B
     return optuna.samplers.TPESampler(**kwargs)
 
 
-def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str, Any]:
-    """What a continued study must share with the one that created it."""
+def _fingerprint(
+    config: StudyConfig, workload: Workload, spec: str, device: torch.device, cpus: int
+) -> dict[str, Any]:
+    """What a continued study must share with the one that created it: throughput measured
+    on other hardware, or validation loss under other training settings, would not compare."""
     return {
+        "hardware": {"device": device_name(device), "usable_cpus": cpus},
         "workload": spec,
         "workload_options": dict(workload.options or config.workload_options),
         "space": config.space.as_dict(),
@@ -171,13 +182,13 @@ def count_finished(study: optuna.Study) -> int:
 
 
 def _ensure_baseline(study: optuna.Study, space: ResolvedSpace, batch_size: int) -> None:
-    """Queue the baseline unless one completed or is queued or running.
+    """Queue the baseline unless one completed or is queued.
 
     The baseline is the loader most users start from, so every result reads as a speedup
     over it; it runs first in a new study, and again in a continued study whose baseline was
-    interrupted or failed.
+    interrupted, failed, or left RUNNING by a process that was killed.
     """
-    present = (TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING)
+    present = (TrialState.COMPLETE, TrialState.WAITING)
     if not any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(states=present)):
         study.enqueue_trial(space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
 
@@ -186,12 +197,12 @@ def _open_study(
     storage: optuna.storages.RDBStorage,
     name: str,
     config: StudyConfig,
-    sampler: optuna.samplers.BaseSampler,
     fingerprint: Mapping[str, Any],
 ) -> tuple[optuna.Study, bool]:
     existing = optuna.study.get_all_study_names(storage)
     if name in existing:
-        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        study = optuna.load_study(study_name=name, storage=storage)
+        study.sampler = make_sampler(config, seed_offset=len(study.get_trials(deepcopy=False)))
         stored = study.user_attrs.get("fingerprint")
         if stored is not None and stored != fingerprint:
             differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
@@ -203,7 +214,7 @@ def _open_study(
             raise UserError(f"study {name!r} is not a loader-search study: use another name")
         return study, False
     study = optuna.create_study(
-        study_name=name, storage=storage, sampler=sampler, directions=list(DIRECTIONS)
+        study_name=name, storage=storage, sampler=make_sampler(config), directions=list(DIRECTIONS)
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -216,12 +227,15 @@ def run_study(
     *,
     workload: Workload | None = None,
     storage: str | None = None,
+    n_trials: int | None = None,
     reporter: Reporter | None = None,
 ) -> StudySummary:
     """Create (or continue) the study ``config`` describes, run it, and summarise it.
 
     ``workload`` overrides ``config.workload``: the Python API passes one built in memory.
-    Bad input raises `UserError` before any study is created.
+    ``n_trials`` sets the study's total trial budget; without it a new study takes
+    ``config.trials`` and a continued one keeps the budget stored with it.
+    Bad input raises `UserError` before anything is stored.
     """
     reporter = reporter or NullReporter()
     verbosity = optuna.logging.get_verbosity()
@@ -229,30 +243,46 @@ def run_study(
     # trial with a traceback, which is stored on the trial (failure_traceback) instead.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
-        return _run(config, workload, storage, reporter)
+        return _run(config, workload, storage, n_trials, reporter)
     finally:
         optuna.logging.set_verbosity(verbosity)
 
 
 def _run(
-    config: StudyConfig, workload: Workload | None, storage: str | None, reporter: Reporter
+    config: StudyConfig,
+    workload: Workload | None,
+    storage: str | None,
+    n_trials: int | None,
+    reporter: Reporter,
 ) -> StudySummary:
+    # Everything that can be wrong with the input is checked before the storage is touched.
+    if n_trials is not None and n_trials < 1:
+        raise UserError(f"--n-trials {n_trials}: must be at least 1")
+    url = resolve_storage_url(storage)
     device = resolve_device(config.device)
     cpus = usable_cpus()
     space = config.space.resolve(cpus, cuda=device.type == "cuda")
     check_budget(config.training, space)
-    if workload is None:
-        check_workload(config.workload, config.workload_options)  # fail fast, before storage
-    url = resolve_storage_url(storage)
-    rdb = open_storage(url)
     if workload is None:
         spec = config.workload
         workload = load_workload(config.workload, config.workload_options)
     else:
         spec = f"python:{workload.name}"  # built in memory by the caller
     name = config.name or DEFAULT_STUDY_NAME
-    fingerprint = _fingerprint(config, workload, spec)
-    study, created = _open_study(rdb, name, config, make_sampler(config, space), fingerprint)
+    fingerprint = _fingerprint(config, workload, spec, device, cpus)
+
+    rdb = open_storage(url)
+    study, created = _open_study(rdb, name, config, fingerprint)
+    notes = list(space.notes)
+    budget = n_trials
+    if budget is None:
+        stored_budget = study.user_attrs.get("trial_budget")
+        budget = config.trials if created or stored_budget is None else int(stored_budget)
+        if budget != config.trials:
+            notes.append(
+                f"continuing with the study's stored budget of {budget} trials, not the"
+                f" config's {config.trials}; pass --n-trials to change it"
+            )
     if created:
         study.set_user_attr("fingerprint", fingerprint)
         study.set_user_attr("workload_description", workload.description)
@@ -260,7 +290,7 @@ def _run(
         for key, value in _environment(device, cpus).items():
             study.set_user_attr(key, value)
     _ensure_baseline(study, space, config.training.base_batch_size)
-    study.set_user_attr("trial_budget", config.trials)
+    study.set_user_attr("trial_budget", budget)
     study.set_user_attr("loss_tolerance", config.loss_tolerance)
 
     finished = count_finished(study)
@@ -269,23 +299,24 @@ def _run(
             name=name,
             storage=mask_url(url),
             created=created,
-            budget=config.trials,
+            budget=budget,
             finished=finished,
             device=device_name(device),
             workload=workload.description or workload.name,
             usable_cpus=cpus,
-            notes=space.notes,
+            notes=tuple(notes),
         )
     )
-    remaining = config.trials - finished
+    remaining = budget - finished
     if remaining > 0:
-        _optimize(study, config, workload, space, device, reporter, remaining)
+        _optimize(study, config, budget, workload, space, device, reporter, remaining)
     return summarize(study, config.loss_tolerance)
 
 
 def _optimize(
     study: optuna.Study,
     config: StudyConfig,
+    budget: int,
     workload: Workload,
     space: ResolvedSpace,
     device: torch.device,
@@ -322,7 +353,7 @@ def _optimize(
                 failure=failure,
                 duration_s=time.perf_counter() - started.get(trial.number, time.perf_counter()),
                 finished=count_finished(study),
-                budget=config.trials,
+                budget=budget,
                 pareto_size=len(pareto),
                 best_throughput=max((v[0] for v in values), default=None),
                 best_val_loss=min((v[1] for v in values), default=None),

@@ -14,7 +14,6 @@ Rules enforced here, because PyTorch enforces them at construction or, worse, at
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -224,19 +223,3 @@ class ResolvedSpace:
                 max(self.usable_cpus, self.torch_threads.low), self.torch_threads.high
             )
         return params
-
-    def grid(self) -> dict[str, Sequence[Any]]:
-        """Every value of every parameter, for Optuna's GridSampler."""
-        grid: dict[str, Sequence[Any]] = {
-            "batch_size": list(self.batch_sizes),
-            "num_workers": self.num_workers.values(),
-        }
-        if self.num_workers.high > 0:
-            grid["prefetch_factor"] = self.prefetch_factor.values()
-            if self.persistent_workers is None:
-                grid["persistent_workers"] = [False, True]
-        if self.pin_memory is None:
-            grid["pin_memory"] = [False, True]
-        if isinstance(self.torch_threads, IntRange):
-            grid["torch_threads"] = self.torch_threads.values()
-        return grid

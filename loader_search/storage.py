@@ -8,10 +8,11 @@ this module unmasked: every URL shown to a user goes through `mask_url`.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import sqlalchemy.exc
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from loader_search.errors import UserError
 
@@ -21,47 +22,85 @@ if TYPE_CHECKING:
 DEFAULT_STORAGE = "sqlite:///loader_search.db"
 STORAGE_ENV = "LOADER_SEARCH_STORAGE"
 
+# Query parameters that drivers accept as passwords (libpq, PyMySQL, ODBC).
+_SECRET_QUERY_KEYS = ("password", "passwd", "pwd")
+
 _DRIVER_HINTS = {
-    "psycopg": "pip install 'psycopg[binary]'",
-    "psycopg2": "pip install 'psycopg[binary]' and use postgresql+psycopg://",
-    "pymysql": "pip install pymysql",
-    "MySQLdb": "pip install pymysql and use mysql+pymysql://",
+    "psycopg": "pip install 'loader-search[postgres]'",
+    "psycopg2": "pip install 'loader-search[postgres]' and use postgresql+psycopg://",
+    "pymysql": "pip install 'loader-search[mysql]'",
+    "MySQLdb": "pip install 'loader-search[mysql]' and use mysql+pymysql://",
 }
 
 
 def resolve_storage_url(cli_value: str | None) -> str:
     """The storage URL to use: the CLI's, else the environment's, else the SQLite default."""
-    if cli_value:
+    if cli_value is not None:
+        if not cli_value.strip():
+            raise UserError("--storage is empty: give a database URL, or leave it out")
         return cli_value
     return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
+def _secrets(url: URL) -> list[str]:
+    values = [url.password] if url.password else []
+    for key in _SECRET_QUERY_KEYS:
+        value = url.query.get(key)
+        values.extend([value] if isinstance(value, str) else list(value or ()))
+    return [str(v) for v in values if v]
+
+
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***``; unparsable input is hidden whole."""
+    """The URL with any password (``user:pw@`` or ``?password=``) replaced by ``***``;
+    unparsable input is hidden whole."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        hidden = {k: "***" for k in _SECRET_QUERY_KEYS if k in parsed.query}
+        shown = parsed.update_query_dict(hidden).render_as_string(hide_password=True)
+        return shown.replace("%2A%2A%2A", "***")
     except Exception:
         return "<unparsable storage URL>"
 
 
-def open_storage(url: str) -> optuna.storages.RDBStorage:
+def _mask_in(text: str, url: str) -> str:
+    """Remove any password from a driver's message, should it quote one."""
+    try:
+        secrets = _secrets(make_url(url))
+    except Exception:
+        return text
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage for ``url``, creating the schema if the database is empty.
 
-    Every failure a user can fix (malformed URL, missing driver, unreachable server, an
-    unopenable SQLite file) becomes a one-line `UserError` that shows the URL masked.
+    With ``must_exist`` a SQLite file that does not exist is an error instead of being
+    created (for commands that only read). Every failure a user can fix (malformed URL,
+    missing driver, unreachable server, a file that is not a database) becomes a one-line
+    `UserError` that shows the URL masked.
     """
     import optuna
 
     shown = mask_url(url)
     try:
         parsed = make_url(url)
-    except sqlalchemy.exc.ArgumentError:
+    except (sqlalchemy.exc.ArgumentError, ValueError):
         raise UserError(
             f"storage URL {shown} is malformed: use e.g. sqlite:///loader_search.db or"
             " postgresql+psycopg://user@host/db"
         ) from None
+    backend = parsed.get_backend_name()
+    if must_exist and backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        path = Path(parsed.database)
+        if not path.is_file():
+            raise UserError(
+                f"no database file {str(path)!r} (storage {shown}); run `loader-search run`"
+                " first, or point --storage at an existing database"
+            )
     engine_kwargs = {}
-    if parsed.get_backend_name() != "sqlite":
+    if backend != "sqlite":
         # Long-lived workers hold connections for hours; test them before use.
         engine_kwargs["pool_pre_ping"] = True
     try:
@@ -75,21 +114,17 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         hint = _DRIVER_HINTS.get(exc.name or "", "install the database driver")
         raise UserError(f"storage URL {shown}: driver {exc.name!r} is missing: {hint}") from None
     except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError) as exc:
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
         raise UserError(
-            f"cannot reach storage {shown}: {_mask_in(reason, url)}; check the host, the"
-            " credentials and that the database exists"
+            f"cannot reach storage {shown}: {_mask_in(_first_line(exc), url)}; check the host,"
+            " the credentials and that the database exists"
         ) from None
-    except sqlalchemy.exc.ArgumentError as exc:
-        raise UserError(f"storage URL {shown} is malformed: {exc}") from None
-    except RuntimeError as exc:  # Optuna's schema version check
-        raise UserError(f"storage {shown}: {_mask_in(str(exc), url)}") from None
+    except Exception as exc:  # a bad URL option, a file that is not a database, a schema...
+        raise UserError(
+            f"cannot open storage {shown}: {type(exc).__name__}: {_mask_in(_first_line(exc), url)}"
+        ) from None
 
 
-def _mask_in(text: str, url: str) -> str:
-    """Remove the password from a driver's message, should it quote one."""
-    try:
-        password = make_url(url).password
-    except Exception:
-        return text
-    return text.replace(str(password), "***") if password else text
+def _first_line(exc: BaseException) -> str:
+    origin = getattr(exc, "orig", None) or exc
+    lines = str(origin).strip().splitlines()
+    return lines[0] if lines else type(origin).__name__

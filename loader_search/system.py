@@ -13,16 +13,42 @@ from loader_search.errors import UserError
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def _cgroup_cpu_limit(root: Path = _CGROUP_ROOT) -> float | None:
-    """The CPU quota of this process's cgroup in CPUs, or None when unlimited or unknown."""
-    v2 = root / "cpu.max"
-    try:
-        quota, period = v2.read_text().split()[:2]
-        if quota != "max":
-            return int(quota) / int(period)
-        return None
-    except (OSError, ValueError):
-        pass
+def _read_cpu_max(path: Path) -> float | None:
+    """A cgroup v2 ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") in CPUs; None if unlimited."""
+    quota, period = path.read_text().split()[:2]
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _cgroup_cpu_limit(root: Path = _CGROUP_ROOT, self_cgroup: str | None = None) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs, or None when unlimited or unknown.
+
+    Under cgroup v2 the process may sit in a nested group (a systemd scope with CPUQuota=,
+    a container's sub-group): every level from its own group up to the root can cap it, so the
+    smallest quota on that path counts. ``self_cgroup`` is the text of /proc/self/cgroup.
+    """
+    if self_cgroup is None:
+        try:
+            self_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            self_cgroup = ""
+    relative = next(
+        (line[3:].strip("/") for line in self_cgroup.splitlines() if line.startswith("0::")), ""
+    )
+    group = root / relative if relative else root
+    limits = []
+    for level in [group, *group.parents]:
+        try:
+            limit = _read_cpu_max(level / "cpu.max")
+        except (OSError, ValueError):
+            limit = None
+        if limit is not None:
+            limits.append(limit)
+        if level == root:
+            break
+    if limits:
+        return min(limits)
+    if (root / "cpu.max").exists() or (group / "cpu.max").exists():
+        return None  # cgroup v2, unlimited
     try:  # cgroup v1
         quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
         period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from loader_search.errors import TrainingDiverged
 from loader_search.loader import build_loader
-from loader_search.measure import PeakRSS, StepMeter
+from loader_search.measure import PeakRSS, StepMeter, WindowStats
 from loader_search.params import LoaderParams, TrainingSettings, scaled_lr
 from loader_search.workloads import Workload
 
@@ -117,11 +117,10 @@ def run_trial(
                 collate_fn=workload.collate_fn,
             )
             meter = StepMeter(warmup, sync)
-            last_loss, epochs = _train(
+            last_loss, epochs, stats = _train(
                 model, optimizer, workload, loader, meter, settings.train_samples, device, params
             )
-            stats = meter.finish()
-            del loader  # shuts down (persistent) workers before evaluation
+            del loader  # shuts down persistent workers before evaluation
             train_time = time.perf_counter() - train_start
             final_loss = float(last_loss)
             if not math.isfinite(final_loss):
@@ -167,8 +166,9 @@ def _train(
     budget: int,
     device: torch.device,
     params: LoaderParams,
-) -> tuple[torch.Tensor, int]:
-    """The training loop; returns the last batch's loss (a tensor: no per-step device sync)."""
+) -> tuple[torch.Tensor, int, WindowStats]:
+    """The training loop; returns the last batch's loss (a tensor: no per-step device sync),
+    the epochs begun and the measured window."""
     model.train()
     meter.start()
     iterator = iter(loader)
@@ -195,8 +195,11 @@ def _train(
         optimizer.step()
         seen += n
         meter.step(n)
+    # The window closes before the iterator is dropped: shutting workers down is not training,
+    # and persistent and non-persistent loaders must be timed alike.
+    stats = meter.finish()
     del iterator
-    return loss.detach(), epochs
+    return loss.detach(), epochs, stats
 
 
 def _evaluate(
@@ -229,7 +232,8 @@ def _evaluate(
             outputs = model(inputs)
             total_loss += float(workload.loss_fn(outputs, targets)) * len(targets)
             count += len(targets)
-            if classification and outputs.dim() == 2 and targets.dim() == 1:
+            is_class_index = targets.dim() == 1 and not targets.is_floating_point()
+            if classification and outputs.dim() == 2 and is_class_index:
                 correct += int((outputs.argmax(1) == targets).sum())
             else:
                 classification = False

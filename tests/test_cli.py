@@ -145,8 +145,8 @@ def _assert_user_error(result, *fragments: str) -> None:
 
 
 def _no_study(url: str) -> bool:
-    path = Path(url.removeprefix("sqlite:///"))
-    return not path.exists() or optuna.study.get_all_study_names(url) == []
+    """Nothing was stored: the fixture's SQLite file was not even created."""
+    return not Path(url.removeprefix("sqlite:///")).exists()
 
 
 @pytest.mark.parametrize(
@@ -203,24 +203,51 @@ def test_bad_storage_exits_2_without_the_password(
         assert "topsecret" not in result.output + result.stderr
 
 
-def test_missing_study_and_config(sqlite_url: str, tmp_path: Path) -> None:
+def test_missing_database_study_and_config(sqlite_url: str, tmp_path: Path) -> None:
+    for args in (["best", "nope"], ["studies"]):
+        result = CliRunner().invoke(app, [*args, "--storage", sqlite_url])
+        _assert_user_error(result, "no database file", "run `loader-search run` first")
+        assert _no_study(sqlite_url)
+    optuna.create_study(study_name="other", storage=sqlite_url)
     result = CliRunner().invoke(app, ["best", "nope", "--storage", sqlite_url])
-    _assert_user_error(result, "no study named 'nope'")
+    _assert_user_error(result, "no study named 'nope'", "(studies there: other)")
     result = CliRunner().invoke(app, ["run", str(tmp_path / "none.toml")])
     _assert_user_error(result, "does not exist")
 
 
 def test_a_foreign_study_is_refused(sqlite_url: str) -> None:
-    optuna.create_study(study_name="other", storage=sqlite_url)
-    result = CliRunner().invoke(app, ["best", "other", "--storage", sqlite_url])
-    _assert_user_error(result, "it was not created by loader-search")
+    optuna.create_study(study_name="one", storage=sqlite_url)
+    optuna.create_study(study_name="two", storage=sqlite_url, directions=["maximize", "minimize"])
+    for name in ("one", "two"):
+        result = CliRunner().invoke(app, ["best", name, "--storage", sqlite_url])
+        _assert_user_error(result, "was not created by loader-search")
 
 
-def test_bad_options(tiny_config: Callable[..., Path], sqlite_url: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--n-trials", "0"], "--n-trials 0: must be at least 1"),
+        (["--timeout", "-5"], "--timeout -5.0"),
+        (["--study-name", ""], "--study-name is empty"),
+        (["--storage", ""], "--storage is empty"),
+    ],
+)
+def test_bad_options(
+    args: list[str], fragment: str, tiny_config: Callable[..., Path], sqlite_url: str
+) -> None:
     config = str(tiny_config(trials=1))
-    result = CliRunner().invoke(app, ["run", config, "--storage", sqlite_url, "--n-trials", "0"])
-    _assert_user_error(result, "--n-trials 0")
+    storage = [] if "--storage" in args else ["--storage", sqlite_url]
+    result = CliRunner().invoke(app, ["run", config, *storage, *args])
+    _assert_user_error(result, fragment)
     assert _no_study(sqlite_url)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bad_loss_tolerance(value: str, sqlite_url: str) -> None:
+    result = CliRunner().invoke(
+        app, ["best", "x", "--storage", sqlite_url, "--loss-tolerance", value]
+    )
+    _assert_user_error(result, f"--loss-tolerance {float(value)}")
 
 
 def test_subprocess_error_is_one_line_and_debug_shows_traceback(tmp_path: Path) -> None:

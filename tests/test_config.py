@@ -74,6 +74,8 @@ BAD = [
     ({"study": {"trials": True}}, "study.trials = true: must be an integer"),
     ({"study": {"timeout_s": -3}}, "study.timeout_s = -3: must be greater than 0"),
     ({"study": {"loss_tolerance": -0.1}}, "study.loss_tolerance = -0.1: must not be negative"),
+    ({"study": {"seed": 2**32}}, "study.seed = 4294967296: must be below 2**32"),
+    ({"study": {"seed": -1}}, "study.seed = -1: must be at least 0"),
     ({"sampler": {"name": "cmaes"}}, 'sampler.name = "cmaes": use one of tpe, random, nsga2'),
     ({"sampler": {"name": "random", "multivariate": True}}, "apply to sampler.name"),
     ({"space": {"batch_size": {"min": 0, "max": 64}}}, "space.batch_size.min = 0"),
@@ -89,6 +91,7 @@ BAD = [
     ({"space": {"num_workers": -1}}, "space.num_workers = -1: must be at least 0"),
     ({"space": {"prefetch_factor": {"min": 0, "max": 4}}}, "space.prefetch_factor.min = 0"),
     ({"space": {"prefetch_factor": {"min": 6, "max": 2}}}, "max is below min"),
+    ({"space": {"prefetch_factor": 0}}, "space.prefetch_factor = 0: must be at least 1"),
     ({"space": {"pin_memory": "yes"}}, 'space.pin_memory = "yes": use true, false or "auto"'),
     ({"space": {"torch_threads": 0}}, "space.torch_threads = 0: must be at least 1"),
     ({"space": {"torch_threads": "many"}}, 'space.torch_threads = "many"'),
@@ -121,7 +124,9 @@ def test_unreadable_files(tmp_path: Path) -> None:
 
 
 def test_cli_overrides() -> None:
-    config = StudyConfig(name="a", trials=4).with_overrides(name="b", trials=9, timeout_s=5)
-    assert (config.name, config.trials, config.timeout_s) == ("b", 9, 5)
-    with pytest.raises(UserError, match="--n-trials 0"):
-        StudyConfig().with_overrides(trials=0)
+    config = StudyConfig(name="a", trials=4).with_overrides(name="b", timeout_s=5)
+    assert (config.name, config.trials, config.timeout_s) == ("b", 4, 5)
+    with pytest.raises(UserError, match="--timeout -1"):
+        StudyConfig().with_overrides(timeout_s=-1)
+    with pytest.raises(UserError, match="--study-name is empty"):
+        StudyConfig().with_overrides(name=" ")

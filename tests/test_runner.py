@@ -38,12 +38,12 @@ CONFIG = StudyConfig(
         (SamplerConfig(name="tpe", multivariate=True), optuna.samplers.TPESampler),
         (SamplerConfig(name="random"), optuna.samplers.RandomSampler),
         (SamplerConfig(name="nsga2", population_size=4), optuna.samplers.NSGAIISampler),
-        (SamplerConfig(name="grid"), optuna.samplers.GridSampler),
+        (SamplerConfig(name="grid"), optuna.samplers.BruteForceSampler),
     ],
 )
 def test_make_sampler(sampler: SamplerConfig, expected: type) -> None:
     config = dataclasses.replace(CONFIG, sampler=sampler)
-    assert isinstance(make_sampler(config, SPACE.resolve(2, cuda=False)), expected)
+    assert isinstance(make_sampler(config), expected)
 
 
 @pytest.mark.parametrize("name", ["nsga2", "grid"])
@@ -79,11 +79,13 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(
         return F.cross_entropy(outputs, targets)
 
     workload = dataclasses.replace(tiny_workload, loss_fn=loss_fn)
-    space = dataclasses.replace(SPACE, prefetch_factor=IntRange(1, 1))  # a 4-point grid
-    config = dataclasses.replace(CONFIG, trials=5, space=space, sampler=SamplerConfig("grid"))
+    # 4 valid combinations: batch 16 or 32, with 0 workers or 1 worker x prefetch 1.
+    space = dataclasses.replace(SPACE, prefetch_factor=IntRange(1, 1))
+    config = dataclasses.replace(CONFIG, trials=6, space=space, sampler=SamplerConfig("grid"))
     run_study(config, workload=workload, storage=sqlite_url)
     trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
-    assert len(trials) == 5
+    assert len(trials) == 4  # each once (the baseline is one), then the grid ends the study
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 4
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert failed
     for trial in failed:
@@ -125,3 +127,38 @@ def test_an_interrupted_baseline_is_run_again_and_uses_no_budget(
     assert trials[1].user_attrs["baseline"] is True
     assert summary.baseline is not None and summary.baseline.number == 1
     assert summary.recommended is not None and summary.recommended.speedup_vs_baseline
+
+
+def test_a_continued_study_proposes_new_settings(tiny_workload: Workload, sqlite_url: str) -> None:
+    config = dataclasses.replace(CONFIG, sampler=SamplerConfig(name="random"))
+    run_study(config, workload=tiny_workload, storage=sqlite_url, n_trials=4)
+    run_study(config, workload=tiny_workload, storage=sqlite_url, n_trials=7)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert len(trials) == 7
+    first = [t.params for t in trials[1:4]]
+    later = [t.params for t in trials[4:7]]
+    assert first != later  # the sampler was not restarted from the same seed
+
+
+def test_a_continued_study_keeps_its_stored_budget(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=2)
+    study = optuna.load_study(study_name="runner", storage=sqlite_url)
+    assert study.user_attrs["trial_budget"] == 2
+    study.set_user_attr("trial_budget", 4)  # as `run --n-trials 4` interrupted early leaves it
+    run_study(CONFIG, workload=tiny_workload, storage=sqlite_url)  # config says 3
+    study = optuna.load_study(study_name="runner", storage=sqlite_url)
+    assert len(study.trials) == 4 and study.user_attrs["trial_budget"] == 4
+    with pytest.raises(UserError, match="--n-trials 0"):
+        run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=0)
+
+
+def test_a_study_is_bound_to_its_hardware(
+    tiny_workload: Workload, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=1)
+    # The same study continued on a machine with other usable CPUs.
+    monkeypatch.setattr("loader_search.runner.usable_cpus", lambda: 64)
+    with pytest.raises(UserError, match=r"different settings \(hardware\)"):
+        run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=2)

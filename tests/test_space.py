@@ -99,16 +99,6 @@ def test_baseline_is_the_plain_loader() -> None:
     assert params == LoaderParams(batch_size=64, num_workers=0, torch_threads=4)
 
 
-def test_grid_covers_every_value() -> None:
-    resolved = SearchSpace(batch_sizes=(32, 64), num_workers=CpuRange(0, 1)).resolve(2, False)
-    grid = resolved.grid()
-    assert grid["batch_size"] == [32, 64]
-    assert grid["num_workers"] == [0, 1]
-    assert grid["prefetch_factor"] == list(range(1, 9))
-    assert grid["persistent_workers"] == [False, True]
-    assert "pin_memory" not in grid
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [{"batch_sizes": ()}, {"batch_sizes": (0, 32)}, {"prefetch_factor": IntRange(0, 2)}],

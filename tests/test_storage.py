@@ -26,9 +26,25 @@ def test_url_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_passwords_are_masked() -> None:
     masked = mask_url("postgresql+psycopg://alice:s3cret@db.example:5432/studies")
-    assert "s3cret" not in masked
     assert masked == "postgresql+psycopg://alice:***@db.example:5432/studies"
+    in_query = mask_url("postgresql+psycopg://alice@db/studies?password=s3cret&sslmode=require")
+    assert in_query == "postgresql+psycopg://alice@db/studies?password=***&sslmode=require"
+    assert "s3cret" not in mask_url("mysql+pymysql://bob@db/x?passwd=s3cret")
     assert mask_url("sqlite:///x.db") == "sqlite:///x.db"
+    assert mask_url("postgresql://u:s3cret@h:notaport/db") == "<unparsable storage URL>"
+
+
+def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a database, just text that is long enough to have a header\n" * 20)
+    with pytest.raises(UserError, match=r"cannot open storage .*file is not a database"):
+        open_storage(f"sqlite:///{path}")
+
+
+def test_reading_commands_do_not_create_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no database file"):
+        open_storage(f"sqlite:///{tmp_path / 'missing.db'}", must_exist=True)
+    assert not (tmp_path / "missing.db").exists()
 
 
 def test_sqlite_file_is_created(tmp_path: Path) -> None:
@@ -44,7 +60,9 @@ def test_sqlite_file_is_created(tmp_path: Path) -> None:
         ("nosuchdb://host/db", "unknown database dialect 'nosuchdb'"),
         ("sqlite:////nonexistent-dir/x/studies.db", "cannot reach storage"),
         ("postgresql+psycopg://bob:hunter2@127.0.0.1:1/test", "cannot reach storage"),
+        ("postgresql+psycopg://bob@127.0.0.1:1/test?password=hunter2", "cannot reach storage"),
         ("mysql+pymysql://bob:hunter2@127.0.0.1:1/test", "cannot reach storage"),
+        ("postgresql+psycopg://bob:hunter2@127.0.0.1:notaport/test", "is malformed"),
     ],
 )
 def test_bad_storage_is_one_masked_line(url: str, message: str) -> None:

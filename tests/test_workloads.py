@@ -70,6 +70,9 @@ def test_plugin_from_file_and_module(monkeypatch: pytest.MonkeyPatch) -> None:
         ("synthetic-images", {"colour": 3}, "does not accept options ['colour']"),
         ("synthetic-images", {"image_size": -4}, "image_size = -4: must be a positive integer"),
         ("synthetic-images", {"encoding": "gif"}, "encoding = 'gif'"),
+        ("synthetic-images", {"noise": "high"}, "noise = 'high': must be a number"),
+        ("synthetic-images", {"seed": 1.5}, "seed = 1.5: must be an integer"),
+        ("digits", {"val_fraction": "x"}, "val_fraction = 'x': must be a number"),
     ],
 )
 def test_bad_workloads_are_user_errors(spec: str, options: dict, message: str) -> None:

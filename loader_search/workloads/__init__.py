@@ -101,8 +101,9 @@ def load_workload(spec: str, options: Mapping[str, Any] | None = None) -> Worklo
     options = dict(options or {})
     try:
         workload = factory(**options)
-    except (ValueError, ImportError) as exc:
-        raise UserError(f"workload {spec!r}: {exc}") from exc
+    except (ValueError, TypeError, ImportError) as exc:
+        # A wrong option value (the factories validate them) or a missing optional package.
+        raise UserError(f"workload {spec!r}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(workload, Workload):
         raise UserError(
             f"workload {spec!r} returned {type(workload).__name__}, not a loader_search.Workload"

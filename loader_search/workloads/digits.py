@@ -67,8 +67,10 @@ def digits(val_fraction: float = 0.2, width: int = 32, seed: int = 0) -> Workloa
         raise ImportError(
             "the 'digits' workload needs scikit-learn: pip install 'loader-search[digits]'"
         ) from None
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction = {val_fraction!r}: must be between 0 and 1")
+    if not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction = {val_fraction!r}: must be a number between 0 and 1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**32 - 1")
     if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
         raise ValueError(f"width = {width!r}: must be a positive integer")
 

@@ -150,8 +150,10 @@ def synthetic_images(
         raise ValueError(f"num_classes = {num_classes}: must be at least 2")
     if encoding not in ("png", "jpeg"):
         raise ValueError(f"encoding = {encoding!r}: use 'png' or 'jpeg'")
-    if not 0 <= noise <= 1:
-        raise ValueError(f"noise = {noise!r}: must be between 0 and 1")
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise <= 1:
+        raise ValueError(f"noise = {noise!r}: must be a number between 0 and 1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**32 - 1")
 
     rng = np.random.default_rng(seed)
     patterns = _class_patterns(rng, num_classes, image_size)
