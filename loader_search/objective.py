@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+import warnings
 from collections.abc import Callable
 
 import optuna
@@ -10,7 +11,7 @@ import torch
 
 from loader_search.errors import TrainingDiverged
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.recommend import PARAMS_ATTR
+from loader_search.recommend import BASELINE_ATTR, PARAMS_ATTR
 from loader_search.space import ResolvedSpace
 from loader_search.trial import run_trial
 from loader_search.workloads import Workload
@@ -46,7 +47,11 @@ class Objective:
         self.on_start = on_start
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
-        params = self.space.suggest(trial)
+        with warnings.catch_warnings():
+            if trial.user_attrs.get(BASELINE_ATTR):
+                # The baseline (num_workers=0) may sit outside a searched range on purpose.
+                warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+            params = self.space.suggest(trial)
         trial.set_user_attr(PARAMS_ATTR, params.as_dict())
         self.on_start(trial.number, params)
         try:

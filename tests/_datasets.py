@@ -47,3 +47,23 @@ def timed_workload(n: int = 512, delay_s: float = 0.0, first_delay_s: float = 0.
         make_model=linear_model,
         base_lr=0.05,
     )
+
+
+class SlowInWorkers(TimedDataset):
+    """Fast in the main process, ``delay_s`` per item inside DataLoader workers."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(self.delay_s)
+        return self.x[index], int(self.y[index])
+
+
+def slow_in_workers(n: int = 256, delay_s: float = 0.005) -> Workload:
+    """A plug-in workload whose trials with loader workers take long (for interrupt tests)."""
+    return Workload(
+        name="slow-in-workers",
+        train_dataset=SlowInWorkers(n, delay_s),
+        val_dataset=TimedDataset(64),
+        make_model=linear_model,
+        base_lr=0.05,
+    )

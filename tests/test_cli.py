@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from loader_search.cli import app
 from loader_search.recommend import METRIC_NAMES
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"
 
@@ -103,7 +103,11 @@ def test_studies_lists_counts(finished_study: tuple[str, Path, str]) -> None:
     result = CliRunner().invoke(app, ["studies", "--storage", url])
     assert result.exit_code == 0
     row = next(line for line in result.stdout.splitlines() if "tiny" in line)
-    assert "3" in row
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    study = optuna.load_study(study_name="tiny", storage=url)
+    best = max(t.values[0] for t in study.trials)
+    # study, complete, failed, running, budget, best samples/s
+    assert cells == ["tiny", "3", "0", "0", "3", f"{best:,.0f}"]
 
 
 def test_run_again_continues_to_the_budget(
@@ -270,47 +274,75 @@ def test_plugin_workload_from_the_cli(tiny_config: Callable[..., Path], sqlite_u
     assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2
 
 
-def test_ctrl_c_records_the_running_trial_as_interrupted(
-    tiny_config: Callable[..., Path], sqlite_url: str
-) -> None:
-    path = tiny_config(trials=3)
-    path.write_text(path.read_text().replace("train_samples = 512", "train_samples = 200000"))
+def test_ctrl_c_records_the_running_trial_as_interrupted(tmp_path: Path, sqlite_url: str) -> None:
+    # Trial #0 (the baseline, no workers) is quick; trial #1 loads through a slow worker.
+    config = tmp_path / "slow.toml"
+    config.write_text(
+        f"""
+[study]
+name = "tiny"
+trials = 3
+[sampler]
+name = "random"
+[workload]
+name = "{ROOT / "tests" / "_datasets.py"}:slow_in_workers"
+[training]
+device = "cpu"
+train_samples = 2000
+batch_size = 16
+[space]
+batch_size = [16]
+num_workers = 1
+prefetch_factor = 2
+persistent_workers = false
+"""
+    )
     env = {k: v for k, v in os.environ.items() if k != "LOADER_SEARCH_STORAGE"}
+    # A session of its own: Ctrl-C in a terminal signals the whole foreground process group,
+    # the loader's worker processes included.
     process = subprocess.Popen(
-        [sys.executable, "-m", "loader_search", "run", str(path), "--storage", sqlite_url],
+        [sys.executable, "-m", "loader_search", "run", str(config), "--storage", sqlite_url],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        cwd=ROOT,
+        start_new_session=True,
     )
     db = Path(sqlite_url.removeprefix("sqlite:///"))
     try:
         deadline = time.monotonic() + 120
-        while not _a_trial_is_running(db):  # wait until a trial is training
+        while _running_trial(db) != 1:  # wait until trial #1 trains with its worker
             if process.poll() is not None:
                 pytest.fail(f"the run ended early: {process.communicate()[1]}")
             if time.monotonic() > deadline:
-                pytest.fail("no trial started within 120 s")
-            time.sleep(0.5)
+                pytest.fail("trial #1 did not start within 120 s")
+            time.sleep(0.2)
         time.sleep(1.0)
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
     assert process.returncode == 130, stderr
     assert "Interrupted" in stderr and "Traceback" not in stderr
     trials = optuna.load_study(study_name="tiny", storage=sqlite_url).get_trials()
-    assert [t.state for t in trials] == [TrialState.FAIL]
-    assert trials[0].user_attrs["failure_reason"] == "interrupted"
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL]
+    assert trials[1].user_attrs["failure_reason"] == "interrupted"
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # no loader worker outlived the run
+        os.killpg(process.pid, 0)
 
 
-def _a_trial_is_running(db: Path) -> bool:
-    """Read-only look at Optuna's tables, so the poll never races the run's schema creation."""
+def _running_trial(db: Path) -> int | None:
+    """The number of the trial now RUNNING, read-only, so the poll never races the run's
+    schema creation."""
     if not db.exists():
-        return False
+        return None
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
-            rows = connection.execute("SELECT count(*) FROM trials WHERE state = 'RUNNING'")
-            return bool(rows.fetchone()[0])
+            row = connection.execute(
+                "SELECT number FROM trials WHERE state = 'RUNNING' ORDER BY number DESC"
+            ).fetchone()
     except sqlite3.OperationalError:  # tables not created yet, or briefly locked
-        return False
+        return None
+    return None if row is None else int(row[0])
