@@ -199,27 +199,33 @@ def _open_study(
     config: StudyConfig,
     fingerprint: Mapping[str, Any],
 ) -> tuple[optuna.Study, bool]:
-    existing = optuna.study.get_all_study_names(storage)
-    if name in existing:
-        study = optuna.load_study(study_name=name, storage=storage)
-        study.sampler = make_sampler(config, seed_offset=len(study.get_trials(deepcopy=False)))
-        stored = study.user_attrs.get("fingerprint")
-        if stored is not None and stored != fingerprint:
-            differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
-            raise UserError(
-                f"study {name!r} was created with different settings ({', '.join(differs)});"
-                " its results would not compare: use another --study-name"
+    if name not in optuna.study.get_all_study_names(storage):
+        try:
+            study = optuna.create_study(
+                study_name=name,
+                storage=storage,
+                sampler=make_sampler(config),
+                directions=list(DIRECTIONS),
             )
-        if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
-            raise UserError(f"study {name!r} is not a loader-search study: use another name")
-        return study, False
-    study = optuna.create_study(
-        study_name=name, storage=storage, sampler=make_sampler(config), directions=list(DIRECTIONS)
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
-    return study, True
+        except optuna.exceptions.DuplicatedStudyError:
+            pass  # another process created it a moment ago: continue it below
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
+            return study, True
+    study = optuna.load_study(study_name=name, storage=storage)
+    study.sampler = make_sampler(config, seed_offset=len(study.get_trials(deepcopy=False)))
+    stored = study.user_attrs.get("fingerprint")
+    if stored is not None and stored != fingerprint:
+        differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
+        raise UserError(
+            f"study {name!r} was created with different settings ({', '.join(differs)});"
+            " its results would not compare: use another --study-name"
+        )
+    if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
+        raise UserError(f"study {name!r} is not a loader-search study: use another name")
+    return study, False
 
 
 def run_study(
@@ -283,7 +289,7 @@ def _run(
                 f"continuing with the study's stored budget of {budget} trials, not the"
                 f" config's {config.trials}; pass --n-trials to change it"
             )
-    if created:
+    if "fingerprint" not in study.user_attrs:  # new (or made by plain Optuna): describe it
         study.set_user_attr("fingerprint", fingerprint)
         study.set_user_attr("workload_description", workload.description)
         study.set_user_attr("sampler", config.sampler.name)
