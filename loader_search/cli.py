@@ -251,8 +251,23 @@ class RichReporter:
             transient=True,
         )
         self.task: Any = None
+        self.status: Any = None
+
+    def preparing(self, what: str) -> None:
+        """A spinner while the workload is built and the storage opened (can take a while)."""
+        if self.status is None:
+            self.status = self.console.status(escape(what) + " ...")
+            self.status.start()
+        else:
+            self.status.update(escape(what) + " ...")
+
+    def _stop_status(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
 
     def study_started(self, info: StudyInfo) -> None:
+        self._stop_status()
         verb = "Created" if info.created else "Continuing"
         self.console.print(
             f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}\n"
@@ -299,6 +314,7 @@ class RichReporter:
             self.progress.update(self.task, completed=event.finished, best=best, running="")
 
     def close(self) -> None:
+        self._stop_status()
         self.progress.stop()
 
 

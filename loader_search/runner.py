@@ -74,6 +74,8 @@ class TrialEvent:
 class Reporter(Protocol):
     """Receives progress; the CLI draws it, the Python API may ignore it."""
 
+    def preparing(self, what: str) -> None: ...
+
     def study_started(self, info: StudyInfo) -> None: ...
 
     def trial_started(self, number: int, params: LoaderParams) -> None: ...
@@ -82,6 +84,9 @@ class Reporter(Protocol):
 
 
 class NullReporter:
+    def preparing(self, what: str) -> None:
+        pass
+
     def study_started(self, info: StudyInfo) -> None:
         pass
 
@@ -271,12 +276,14 @@ def _run(
     check_budget(config.training, space)
     if workload is None:
         spec = config.workload
+        reporter.preparing(f"building workload {spec} (its data and model)")
         workload = load_workload(config.workload, config.workload_options)
     else:
         spec = f"python:{workload.name}"  # built in memory by the caller
     name = config.name or DEFAULT_STUDY_NAME
     fingerprint = _fingerprint(config, workload, spec, device, cpus)
 
+    reporter.preparing(f"opening storage {mask_url(url)}")
     rdb = open_storage(url)
     study, created = _open_study(rdb, name, config, fingerprint)
     notes = list(space.notes)
