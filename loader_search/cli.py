@@ -123,12 +123,18 @@ def run(
         int | None,
         typer.Option(
             "--n-trials",
-            help="Total trials of the study (its stored budget). Default: \\[study] trials.",
+            help=(
+                "Total trials of the study, stored with it. Default: a continued study's stored"
+                " budget; for a new study, \\[study] trials."
+            ),
         ),
     ] = None,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", help="Stop starting new trials after this many seconds."),
+        typer.Option(
+            "--timeout",
+            help="Stop starting new trials after this many seconds. Default: \\[study] timeout_s.",
+        ),
     ] = None,
 ) -> None:
     """Run (or continue) a study: every trial trains the workload with one loader setting.

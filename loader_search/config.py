@@ -158,6 +158,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_plain(value: Any) -> bool:
+    """JSON-representable: what a study can store and compare."""
+    if isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -219,6 +232,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     options = workload.pop("options", {})
     if not isinstance(options, dict):
         raise workload.error("options", options, "must be a table of keyword arguments")
+    for key, value in options.items():
+        # Options are stored with the study as JSON: dates, times and NaN are refused here.
+        if not _is_plain(value):
+            raise UserError(
+                f"{source}: workload.options.{key} = {_show(value)}: use strings, numbers,"
+                " booleans, lists or tables (no dates, times, nan or inf)"
+            )
     workload.done()
 
     device = training.string("device", defaults.device)

@@ -177,13 +177,27 @@ def _environment(device: torch.device, cpus: int) -> dict[str, Any]:
     }
 
 
+def _uses_budget(trial: FrozenTrial) -> bool:
+    """Interrupted trials gave no result, and a failed baseline stopped the study (it is
+    queued again): neither uses the budget."""
+    if trial.user_attrs.get(FAILURE_REASON) == "interrupted":
+        return False
+    return not (trial.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR))
+
+
 def count_finished(study: optuna.Study) -> int:
-    """Trials that used the study's budget: finished ones, except those the user interrupted
-    (they gave no result; running the study again replaces them)."""
-    return sum(
-        trial.user_attrs.get(FAILURE_REASON) != "interrupted"
-        for trial in study.get_trials(deepcopy=False, states=FINISHED_STATES)
-    )
+    """Trials that used the study's budget (see `_uses_budget`)."""
+    return sum(map(_uses_budget, study.get_trials(deepcopy=False, states=FINISHED_STATES)))
+
+
+def _combinations_left(study: optuna.Study, space: ResolvedSpace) -> int:
+    """For the grid sampler: valid combinations not yet measured (it would repeat them)."""
+    done = {
+        tuple(sorted(t.params.items()))
+        for t in study.get_trials(deepcopy=False, states=FINISHED_STATES)
+        if _uses_budget(t)
+    }
+    return max(0, space.size() - len(done))
 
 
 def _ensure_baseline(study: optuna.Study, space: ResolvedSpace, batch_size: int) -> None:
@@ -215,6 +229,7 @@ def _open_study(
         except optuna.exceptions.DuplicatedStudyError:
             pass  # another process created it a moment ago: continue it below
         else:
+            study.set_user_attr("fingerprint", dict(fingerprint))  # at once: see the check below
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
@@ -222,7 +237,8 @@ def _open_study(
     study = optuna.load_study(study_name=name, storage=storage)
     study.sampler = make_sampler(config, seed_offset=len(study.get_trials(deepcopy=False)))
     stored = study.user_attrs.get("fingerprint")
-    if stored is not None and stored != fingerprint:
+    has_results = bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    if stored is not None and stored != fingerprint and has_results:
         differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
         raise UserError(
             f"study {name!r} was created with different settings ({', '.join(differs)});"
@@ -286,6 +302,12 @@ def _run(
     reporter.preparing(f"opening storage {mask_url(url)}")
     rdb = open_storage(url)
     study, created = _open_study(rdb, name, config, fingerprint)
+    finished = count_finished(study)
+    if n_trials is not None and n_trials < finished:
+        raise UserError(
+            f"--n-trials {n_trials} is below the {finished} trials study {name!r} already has;"
+            f" give at least {finished}, or use `loader-search best {name}` to see its results"
+        )
     notes = list(space.notes)
     budget = n_trials
     if budget is None:
@@ -296,7 +318,8 @@ def _run(
                 f"continuing with the study's stored budget of {budget} trials, not the"
                 f" config's {config.trials}; pass --n-trials to change it"
             )
-    if "fingerprint" not in study.user_attrs:  # new (or made by plain Optuna): describe it
+    if created or study.user_attrs.get("fingerprint") != fingerprint:
+        # New, made by plain Optuna, or nothing measured yet under the old settings.
         study.set_user_attr("fingerprint", fingerprint)
         study.set_user_attr("workload_description", workload.description)
         study.set_user_attr("sampler", config.sampler.name)
@@ -306,7 +329,12 @@ def _run(
     study.set_user_attr("trial_budget", budget)
     study.set_user_attr("loss_tolerance", config.loss_tolerance)
 
-    finished = count_finished(study)
+    remaining = budget - finished
+    if config.sampler.name == "grid":
+        left = _combinations_left(study, space)
+        if left < remaining:
+            notes.append(f"the grid has {left} combination(s) left to measure")
+            remaining = left
     reporter.study_started(
         StudyInfo(
             name=name,
@@ -320,7 +348,6 @@ def _run(
             notes=tuple(notes),
         )
     )
-    remaining = budget - finished
     if remaining > 0:
         _optimize(study, config, budget, workload, space, device, reporter, remaining)
     return summarize(study, config.loss_tolerance)

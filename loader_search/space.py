@@ -177,6 +177,19 @@ class ResolvedSpace:
     usable_cpus: int
     notes: tuple[str, ...] = field(default=(), compare=False)
 
+    def size(self) -> int:
+        """How many distinct settings `suggest` can return (the grid sampler's total)."""
+        with_workers = self.num_workers.high - max(self.num_workers.low, 1) + 1
+        per_worker_count = len(self.prefetch_factor.values())
+        if self.persistent_workers is None:
+            per_worker_count *= 2
+        loaders = (1 if self.num_workers.low == 0 else 0) + max(0, with_workers) * per_worker_count
+        if self.pin_memory is None:
+            loaders *= 2
+        if isinstance(self.torch_threads, IntRange):
+            loaders *= len(self.torch_threads.values())
+        return len(self.batch_sizes) * loaders
+
     def suggest(self, trial: Trial) -> LoaderParams:
         """Ask the trial for one configuration, suggesting conditional parameters only when
         they apply (so samplers never learn from values that had no effect)."""

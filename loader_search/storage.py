@@ -8,6 +8,8 @@ this module unmasked: every URL shown to a user goes through `mask_url`.
 from __future__ import annotations
 
 import os
+import re
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,8 +24,11 @@ if TYPE_CHECKING:
 DEFAULT_STORAGE = "sqlite:///loader_search.db"
 STORAGE_ENV = "LOADER_SEARCH_STORAGE"
 
-# Query parameters that drivers accept as passwords (libpq, PyMySQL, ODBC).
-_SECRET_QUERY_KEYS = ("password", "passwd", "pwd")
+# Query parameters that may carry secrets: password, passwd, pwd, sslpassword, api_token...
+_SECRET_KEY = re.compile(r"pass|pwd|secret|token|key", re.IGNORECASE)
+# Shorter secrets would be replaced inside ordinary words, which reveals them: such messages
+# are dropped instead of masked.
+_MIN_MASKABLE = 4
 
 _DRIVER_HINTS = {
     "psycopg": "pip install 'loader-search[postgres]'",
@@ -42,20 +47,28 @@ def resolve_storage_url(cli_value: str | None) -> str:
     return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
+def _authority_is_ambiguous(url: str) -> bool:
+    """``user:p@ss@host``: an unencoded ``@`` in the password, which parsers split wrongly."""
+    _, sep, rest = url.partition("://")
+    return bool(sep) and rest.split("/", 1)[0].count("@") > 1
+
+
 def _secrets(url: URL) -> list[str]:
     values = [url.password] if url.password else []
-    for key in _SECRET_QUERY_KEYS:
-        value = url.query.get(key)
-        values.extend([value] if isinstance(value, str) else list(value or ()))
+    for key, value in url.query.items():
+        if _SECRET_KEY.search(key):
+            values.extend([value] if isinstance(value, str) else list(value))
     return [str(v) for v in values if v]
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password (``user:pw@`` or ``?password=``) replaced by ``***``;
-    unparsable input is hidden whole."""
+    """The URL with any password (``user:pw@``, ``?password=``, ``?sslpassword=``...)
+    replaced by ``***``; unparsable or ambiguous input is hidden whole."""
+    if _authority_is_ambiguous(url):
+        return "<storage URL with an unencoded @>"
     try:
         parsed = make_url(url)
-        hidden = {k: "***" for k in _SECRET_QUERY_KEYS if k in parsed.query}
+        hidden = {k: "***" for k in parsed.query if _SECRET_KEY.search(k)}
         shown = parsed.update_query_dict(hidden).render_as_string(hide_password=True)
         return shown.replace("%2A%2A%2A", "***")
     except Exception:
@@ -67,8 +80,10 @@ def _mask_in(text: str, url: str) -> str:
     try:
         secrets = _secrets(make_url(url))
     except Exception:
-        return text
+        return "(details hidden: they may contain the password)"
     for secret in secrets:
+        if len(secret) < _MIN_MASKABLE:
+            return "(details hidden: they may contain the password)"
         text = text.replace(secret, "***")
     return text
 
@@ -84,6 +99,11 @@ def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBSt
     import optuna
 
     shown = mask_url(url)
+    if _authority_is_ambiguous(url):
+        raise UserError(
+            f"storage URL {shown} has more than one '@' before the host: percent-encode '@' in"
+            " the user name or password as %40"
+        )
     try:
         parsed = make_url(url)
     except (sqlalchemy.exc.ArgumentError, ValueError):
@@ -93,12 +113,7 @@ def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBSt
         ) from None
     backend = parsed.get_backend_name()
     if must_exist and backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        path = Path(parsed.database)
-        if not path.is_file():
-            raise UserError(
-                f"no database file {str(path)!r} (storage {shown}); run `loader-search run`"
-                " first, or point --storage at an existing database"
-            )
+        _check_study_file(Path(parsed.database), shown)
     engine_kwargs = {}
     if backend != "sqlite":
         # Long-lived workers hold connections for hours; test them before use.
@@ -122,6 +137,23 @@ def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBSt
         raise UserError(
             f"cannot open storage {shown}: {type(exc).__name__}: {_mask_in(_first_line(exc), url)}"
         ) from None
+
+
+def _check_study_file(path: Path, shown: str) -> None:
+    """For commands that only read: the SQLite file must exist and hold Optuna's tables, so
+    a mistyped path neither creates a file nor adds tables to someone else's database."""
+    if not path.is_file():
+        raise UserError(
+            f"no database file {str(path)!r} (storage {shown}); run `loader-search run`"
+            " first, or point --storage at an existing database"
+        )
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as connection:
+            names = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
+    except sqlite3.DatabaseError as exc:
+        raise UserError(f"cannot open storage {shown}: {exc}") from None
+    if not {"studies", "trials", "version_info"} <= names:
+        raise UserError(f"{str(path)!r} is not a loader-search (Optuna) database: check --storage")
 
 
 def _first_line(exc: BaseException) -> str:

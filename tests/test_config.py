@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime
+import math
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,8 @@ BAD = [
     ({"training": {"lr": 0}}, "training.lr = 0: must be greater than 0"),
     ({"training": {"batch_size": 48}}, "training.batch_size = 48 (the baseline) is not one of"),
     ({"workload": {"options": 3}}, "workload.options = 3"),
+    ({"workload": {"options": {"when": datetime.date(1979, 5, 27)}}}, "workload.options.when"),
+    ({"workload": {"options": {"x": [1.0, math.nan]}}}, "workload.options.x = [1.0, nan]"),
     ({"workload": {"name": ""}}, 'workload.name = "": must be a non-empty string'),
 ]
 

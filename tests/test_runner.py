@@ -14,6 +14,7 @@ from loader_search.params import TrainingSettings
 from loader_search.runner import check_budget, make_sampler, run_study
 from loader_search.space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
+from tests._datasets import timed_workload
 
 SPACE = SearchSpace(
     batch_sizes=(16, 32),
@@ -162,3 +163,35 @@ def test_a_study_is_bound_to_its_hardware(
     monkeypatch.setattr("loader_search.runner.usable_cpus", lambda: 64)
     with pytest.raises(UserError, match=r"different settings \(hardware\)"):
         run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=2)
+
+
+def test_a_finished_grid_is_not_measured_again(tiny_workload: Workload, sqlite_url: str) -> None:
+    space = dataclasses.replace(SPACE, batch_sizes=(16,), prefetch_factor=IntRange(1, 1))
+    config = dataclasses.replace(CONFIG, trials=5, space=space, sampler=SamplerConfig("grid"))
+    run_study(config, workload=tiny_workload, storage=sqlite_url)  # 2 combinations
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert len(trials) == 2
+
+
+def test_n_trials_below_what_the_study_has(tiny_workload: Workload, sqlite_url: str) -> None:
+    run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=3)
+    with pytest.raises(UserError, match="--n-trials 2 is below the 3 trials"):
+        run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=2)
+    study = optuna.load_study(study_name="runner", storage=sqlite_url)
+    assert study.user_attrs["trial_budget"] == 3
+
+
+def test_after_a_failed_baseline_the_fixed_study_runs_in_full(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    diverging = dataclasses.replace(CONFIG, training=dataclasses.replace(CONFIG.training, lr=1e30))
+    with pytest.raises(StudyAborted):
+        run_study(diverging, workload=timed_workload(), storage=sqlite_url)
+    # The user fixes the learning rate: nothing was measured, so the study takes the new
+    # settings, and the failed baseline used none of the budget.
+    summary = run_study(CONFIG, workload=timed_workload(), storage=sqlite_url)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 3
+    assert trials[0].user_attrs["failure_reason"] == "diverged"
+    assert summary.baseline is not None and summary.baseline.number == 1

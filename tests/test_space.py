@@ -106,3 +106,22 @@ def test_baseline_is_the_plain_loader() -> None:
 def test_invalid_spaces_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SearchSpace(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        SearchSpace(
+            batch_sizes=(16, 32), num_workers=CpuRange(0, 2), prefetch_factor=IntRange(1, 3)
+        ),
+        SearchSpace(batch_sizes=(8,), num_workers=CpuRange(1, 2), persistent_workers=False),
+        SearchSpace(batch_sizes=(8,), num_workers=CpuRange(0, 1), torch_threads=CpuRange(1, 2)),
+    ],
+)
+def test_size_counts_every_distinct_setting(space: SearchSpace) -> None:
+    resolved = space.resolve(usable_cpus=2, cuda=True)  # pin_memory searched too
+    study = optuna.create_study(
+        directions=["maximize", "minimize"], sampler=optuna.samplers.BruteForceSampler(seed=0)
+    )
+    study.optimize(lambda t: (resolved.suggest(t) and 1.0, 1.0), n_trials=1000)
+    assert len(study.trials) == resolved.size()

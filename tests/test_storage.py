@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import optuna
@@ -30,6 +31,8 @@ def test_passwords_are_masked() -> None:
     in_query = mask_url("postgresql+psycopg://alice@db/studies?password=s3cret&sslmode=require")
     assert in_query == "postgresql+psycopg://alice@db/studies?password=***&sslmode=require"
     assert "s3cret" not in mask_url("mysql+pymysql://bob@db/x?passwd=s3cret")
+    assert "s3cret" not in mask_url("postgresql+psycopg://u@h/db?sslpassword=s3cret")
+    assert mask_url("postgresql+psycopg://u:p@ss@h/db") == "<storage URL with an unencoded @>"
     assert mask_url("sqlite:///x.db") == "sqlite:///x.db"
     assert mask_url("postgresql://u:s3cret@h:notaport/db") == "<unparsable storage URL>"
 
@@ -41,10 +44,18 @@ def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
         open_storage(f"sqlite:///{path}")
 
 
-def test_reading_commands_do_not_create_files(tmp_path: Path) -> None:
+def test_reading_commands_do_not_create_files_or_tables(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no database file"):
         open_storage(f"sqlite:///{tmp_path / 'missing.db'}", must_exist=True)
     assert not (tmp_path / "missing.db").exists()
+    other = tmp_path / "app.db"
+    with sqlite3.connect(other) as connection:
+        connection.execute("CREATE TABLE users (id INTEGER)")
+    with pytest.raises(UserError, match="is not a loader-search"):
+        open_storage(f"sqlite:///{other}", must_exist=True)
+    with sqlite3.connect(other) as connection:
+        tables = [row[0] for row in connection.execute("SELECT name FROM sqlite_master")]
+    assert tables == ["users"]
 
 
 def test_sqlite_file_is_created(tmp_path: Path) -> None:
@@ -63,6 +74,9 @@ def test_sqlite_file_is_created(tmp_path: Path) -> None:
         ("postgresql+psycopg://bob@127.0.0.1:1/test?password=hunter2", "cannot reach storage"),
         ("mysql+pymysql://bob:hunter2@127.0.0.1:1/test", "cannot reach storage"),
         ("postgresql+psycopg://bob:hunter2@127.0.0.1:notaport/test", "is malformed"),
+        ("postgresql+psycopg://bob:hun@ter2@127.0.0.1:1/test", "percent-encode '@'"),
+        ("postgresql+psycopg://bob@127.0.0.1:1/test?password=a", "details hidden"),
+        ("postgresql+psycopg://bob@127.0.0.1:1/test?sslpassword=hunter2", "cannot reach"),
     ],
 )
 def test_bad_storage_is_one_masked_line(url: str, message: str) -> None:

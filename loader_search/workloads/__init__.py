@@ -44,6 +44,11 @@ def resolve_factory(spec: str) -> WorkloadFactory:
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         module = _import_file(spec, Path(module_part))
     else:
+        if module_part.startswith("."):
+            raise UserError(
+                f"workload {spec!r}: relative module names do not work here; give the full"
+                " 'package.module:factory' or 'path/to/file.py:factory'"
+            )
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
