@@ -357,9 +357,15 @@ def print_summary(summary: StudySummary) -> None:
     out.print(table)
     out.print("  * recommended   b baseline")
     if base is not None:
+        measured = ""
+        if base.measurements:
+            values = ", ".join(f"{v:,.0f}" for v in base.measurements)
+            measured = (
+                f" (median of {len(base.measurements)} trials with these settings: {values})"
+            )
         out.print(
             f"Baseline (trial #{base.number}, {base.params.describe()}):"
-            f" {base.throughput:,.0f} samples/s, val_loss {base.val_loss:.4f}"
+            f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}"
         )
     rec = summary.recommended
     if rec is None:

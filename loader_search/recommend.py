@@ -5,14 +5,16 @@ Everything here returns plain frozen dataclasses (or JSON-ready dicts) so the te
 
 The recommendation rule: among the Pareto-optimal trials, the fastest one whose validation
 loss is at most the baseline's plus ``loss_tolerance`` (relative), i.e. "faster without making
-the model worse than what you have now". When the baseline trial did not complete, the best
+the model worse than what you have now". The baseline's throughput is the median of every
+trial that ran its exact settings. When the baseline trial did not complete, the best
 validation loss of the study stands in for it. The chosen trial is always on the front: any
 trial dominating it would be faster and also within the tolerance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from statistics import median
 from typing import Any, Literal
 
 import optuna
@@ -38,9 +40,12 @@ class TrialPoint:
     val_loss: float
     is_baseline: bool
     lr: float | None = None  # the learning rate it trained with (scaled for its batch size)
+    # Every throughput measured for these exact settings when more than one trial ran them;
+    # ``throughput`` is then their median (used for the baseline, see `summarize`).
+    measurements: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "number": self.number,
             "params": self.params.as_dict(),
             "throughput": self.throughput,
@@ -48,6 +53,9 @@ class TrialPoint:
             "lr": self.lr,
             "baseline": self.is_baseline,
         }
+        if self.measurements:
+            data["throughput_measurements"] = list(self.measurements)
+        return data
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,13 @@ def summarize(study: optuna.Study, loss_tolerance: float) -> StudySummary:
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     baseline = next((trial_point(t) for t in complete if t.user_attrs.get(BASELINE_ATTR)), None)
+    if baseline is not None:
+        # Speedups divide by the baseline: use every measurement of its exact settings (the
+        # sampler may run them again), not only the first, which is the noisiest (it is the
+        # first training in the process).
+        same = [p.throughput for p in map(trial_point, complete) if p.params == baseline.params]
+        if len(same) > 1:
+            baseline = replace(baseline, throughput=median(same), measurements=tuple(same))
     pareto = tuple(
         sorted(
             (trial_point(t) for t in study.best_trials) if complete else (),

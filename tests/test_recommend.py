@@ -78,9 +78,19 @@ def test_summary_of_a_real_study(tmp_path) -> None:
     assert [p.number for p in summary.pareto] == [1, 3]  # fastest first
     assert {p.number for p in summary.pareto} == {t.number for t in study.best_trials}
     assert summary.baseline is not None and summary.baseline.number == 0
+    assert summary.baseline.measurements == ()
     assert summary.recommended is not None
     assert summary.recommended.point.number == 1
     assert summary.recommended.speedup_vs_baseline == pytest.approx(1.8)
+
+    # The baseline's settings measured again: speedups divide by the median of both.
+    _add(study, {"batch_size": 64, "num_workers": 0}, [1400, 0.5])
+    summary = summarize(study, loss_tolerance=0.05)
+    assert summary.baseline is not None and summary.baseline.number == 0
+    assert summary.baseline.measurements == (1000, 1400)
+    assert summary.baseline.throughput == pytest.approx(1200)
+    assert summary.recommended is not None
+    assert summary.recommended.speedup_vs_baseline == pytest.approx(1.5)
     data = summary.as_dict()
     assert data["recommended"]["params"]["num_workers"] == 1
     assert "DataLoader(" in data["recommended"]["snippet"]
