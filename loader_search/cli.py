@@ -360,9 +360,7 @@ def print_summary(summary: StudySummary) -> None:
         measured = ""
         if base.measurements:
             values = ", ".join(f"{v:,.0f}" for v in base.measurements)
-            measured = (
-                f" (median of {len(base.measurements)} trials with these settings: {values})"
-            )
+            measured = f" (median of {len(base.measurements)} trials: {values})"
         out.print(
             f"Baseline (trial #{base.number}, {base.params.describe()}):"
             f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}"
