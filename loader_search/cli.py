@@ -170,7 +170,8 @@ def best(
     ] = None,
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
-    from loader_search.recommend import summarize
+    from loader_search.config import StudyConfig
+    from loader_search.recommend import TOLERANCE_ATTR, summarize
     from loader_search.storage import open_storage, resolve_storage_url
 
     if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
@@ -179,7 +180,8 @@ def best(
     loaded = _load_study(open_storage(url, must_exist=True), study, url)
     tolerance = loss_tolerance
     if tolerance is None:
-        tolerance = float(loaded.user_attrs.get("loss_tolerance", 0.05))
+        default = StudyConfig().loss_tolerance
+        tolerance = float(loaded.user_attrs.get(TOLERANCE_ATTR, default))
     summary = summarize(loaded, tolerance)
     if as_json:
         print(json.dumps(summary.as_dict(), indent=2))
@@ -194,6 +196,7 @@ def studies(storage: StorageOption = None) -> None:
     import optuna
     from optuna.trial import TrialState
 
+    from loader_search.recommend import BUDGET_ATTR
     from loader_search.storage import open_storage, resolve_storage_url
 
     url = resolve_storage_url(storage)
@@ -215,7 +218,7 @@ def studies(storage: StorageOption = None) -> None:
             str(len(done)),
             str(sum(t.state == TrialState.FAIL for t in trials)),
             str(sum(t.state == TrialState.RUNNING for t in trials)),
-            str(study.user_attrs.get("trial_budget", "-")),
+            str(study.user_attrs.get(BUDGET_ATTR, "-")),
             f"{best_tp:,.0f}" if best_tp is not None else "-",
         )
     console.print(table)
@@ -223,6 +226,8 @@ def studies(storage: StorageOption = None) -> None:
 
 def _load_study(storage: Any, name: str, url: str) -> Any:
     import optuna
+
+    from loader_search.recommend import DIRECTIONS, FINGERPRINT_ATTR
 
     names = optuna.study.get_all_study_names(storage)
     if name not in names:
@@ -233,7 +238,7 @@ def _load_study(storage: Any, name: str, url: str) -> Any:
         )
     study = optuna.load_study(study_name=name, storage=storage)
     directions = [d.name.lower() for d in study.directions]
-    if directions != ["maximize", "minimize"] or "fingerprint" not in study.user_attrs:
+    if directions != list(DIRECTIONS) or FINGERPRINT_ATTR not in study.user_attrs:
         raise UserError(
             f"study {name!r} was not created by loader-search (it needs its two objectives,"
             " throughput and val_loss): pick one from `loader-search studies`"

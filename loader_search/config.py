@@ -408,11 +408,11 @@ def _parse_switch(table: _Table, key: str, search_word: str) -> bool | None:
 
 
 def _parse_threads(table: _Table) -> int | CpuRange | None:
-    value = table.pop("torch_threads", "auto")
+    value = table.data.get("torch_threads", "auto")
     if value == "auto":
+        table.pop("torch_threads")
         return None
     if isinstance(value, (dict, int)) and not isinstance(value, bool):
-        table.data["torch_threads"] = value
         threads = _parse_cpu_range(table, "torch_threads", minimum=1)
         assert threads is not None
         if threads.low == threads.high:

@@ -19,6 +19,7 @@ from loader_search.workloads import Workload
 FAILURE_REASON = "failure_reason"
 FAILURE_MESSAGE = "failure_message"
 FAILURE_TRACEBACK = "failure_traceback"
+INTERRUPTED = "interrupted"  # a failure_reason: the user pressed Ctrl-C
 
 
 class TrialFailed(Exception):
@@ -57,7 +58,7 @@ class Objective:
         try:
             result = run_trial(self.workload, params, self.settings, self.device)
         except KeyboardInterrupt:
-            trial.set_user_attr(FAILURE_REASON, "interrupted")
+            trial.set_user_attr(FAILURE_REASON, INTERRUPTED)
             raise
         except TrainingDiverged as exc:
             _record_failure(trial, "diverged", exc)

@@ -28,6 +28,10 @@ METRIC_NAMES = (THROUGHPUT, VAL_LOSS)
 DIRECTIONS: tuple[Literal["maximize"], Literal["minimize"]] = ("maximize", "minimize")
 BASELINE_ATTR = "baseline"
 PARAMS_ATTR = "loader_params"
+# Study attributes.
+FINGERPRINT_ATTR = "fingerprint"
+BUDGET_ATTR = "trial_budget"
+TOLERANCE_ATTR = "loss_tolerance"
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,22 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search import __version__
 from loader_search.config import StudyConfig
 from loader_search.errors import StudyAborted, UserError
-from loader_search.objective import FAILURE_MESSAGE, FAILURE_REASON, Objective, TrialFailed
+from loader_search.objective import (
+    FAILURE_MESSAGE,
+    FAILURE_REASON,
+    INTERRUPTED,
+    Objective,
+    TrialFailed,
+)
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import (
     BASELINE_ATTR,
+    BUDGET_ATTR,
     DIRECTIONS,
+    FINGERPRINT_ATTR,
     METRIC_NAMES,
+    PARAMS_ATTR,
+    TOLERANCE_ATTR,
     StudySummary,
     summarize,
     trial_point,
@@ -180,7 +190,7 @@ def _environment(device: torch.device, cpus: int) -> dict[str, Any]:
 def _uses_budget(trial: FrozenTrial) -> bool:
     """Interrupted trials gave no result, and a failed baseline stopped the study (it is
     queued again): neither uses the budget."""
-    if trial.user_attrs.get(FAILURE_REASON) == "interrupted":
+    if trial.user_attrs.get(FAILURE_REASON) == INTERRUPTED:
         return False
     return not (trial.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR))
 
@@ -229,14 +239,16 @@ def _open_study(
         except optuna.exceptions.DuplicatedStudyError:
             pass  # another process created it a moment ago: continue it below
         else:
-            study.set_user_attr("fingerprint", dict(fingerprint))  # at once: see the check below
+            study.set_user_attr(
+                FINGERPRINT_ATTR, dict(fingerprint)
+            )  # at once: see the check below
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
             return study, True
     study = optuna.load_study(study_name=name, storage=storage)
     study.sampler = make_sampler(config, seed_offset=len(study.get_trials(deepcopy=False)))
-    stored = study.user_attrs.get("fingerprint")
+    stored = study.user_attrs.get(FINGERPRINT_ATTR)
     has_results = bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     if stored is not None and stored != fingerprint and has_results:
         differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
@@ -299,7 +311,8 @@ def _run(
     name = config.name or DEFAULT_STUDY_NAME
     fingerprint = _fingerprint(config, workload, spec, device, cpus)
 
-    reporter.preparing(f"opening storage {mask_url(url)}")
+    shown = mask_url(url)
+    reporter.preparing(f"opening storage {shown}")
     rdb = open_storage(url)
     study, created = _open_study(rdb, name, config, fingerprint)
     finished = count_finished(study)
@@ -311,23 +324,23 @@ def _run(
     notes = list(space.notes)
     budget = n_trials
     if budget is None:
-        stored_budget = study.user_attrs.get("trial_budget")
+        stored_budget = study.user_attrs.get(BUDGET_ATTR)
         budget = config.trials if created or stored_budget is None else int(stored_budget)
         if budget != config.trials:
             notes.append(
                 f"continuing with the study's stored budget of {budget} trials, not the"
                 f" config's {config.trials}; pass --n-trials to change it"
             )
-    if created or study.user_attrs.get("fingerprint") != fingerprint:
+    if created or study.user_attrs.get(FINGERPRINT_ATTR) != fingerprint:
         # New, made by plain Optuna, or nothing measured yet under the old settings.
-        study.set_user_attr("fingerprint", fingerprint)
+        study.set_user_attr(FINGERPRINT_ATTR, fingerprint)
         study.set_user_attr("workload_description", workload.description)
         study.set_user_attr("sampler", config.sampler.name)
         for key, value in _environment(device, cpus).items():
             study.set_user_attr(key, value)
     _ensure_baseline(study, space, config.training.base_batch_size)
-    study.set_user_attr("trial_budget", budget)
-    study.set_user_attr("loss_tolerance", config.loss_tolerance)
+    study.set_user_attr(BUDGET_ATTR, budget)
+    study.set_user_attr(TOLERANCE_ATTR, config.loss_tolerance)
 
     remaining = budget - finished
     if config.sampler.name == "grid":
@@ -338,7 +351,7 @@ def _run(
     reporter.study_started(
         StudyInfo(
             name=name,
-            storage=mask_url(url),
+            storage=shown,
             created=created,
             budget=budget,
             finished=finished,
@@ -373,7 +386,7 @@ def _optimize(
     def on_end(study: optuna.Study, trial: FrozenTrial) -> None:
         complete = trial.state == TrialState.COMPLETE
         point = trial_point(trial) if complete else None
-        stored = trial.user_attrs.get("loader_params")
+        stored = trial.user_attrs.get(PARAMS_ATTR)
         pareto = study.best_trials
         values = [
             t.values for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))

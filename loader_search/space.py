@@ -22,15 +22,6 @@ from loader_search.params import LoaderParams
 if TYPE_CHECKING:
     from optuna.trial import Trial
 
-PARAM_NAMES = (
-    "batch_size",
-    "num_workers",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory",
-    "torch_threads",
-)
-
 
 @dataclass(frozen=True)
 class IntRange:
