@@ -117,3 +117,51 @@ def cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown"
+
+
+def total_ram_bytes() -> int:
+    """Physical memory of the host (a cgroup memory limit, when lower, is reported apart)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def cgroup_memory_limit_bytes(root: Path = _CGROUP_ROOT) -> int | None:
+    """This process's cgroup memory limit (v2 ``memory.max`` or v1), or None when unlimited."""
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            return None
+        # cgroup v1 reports "unlimited" as a huge page-aligned number.
+        return None if value >= 2**60 else value
+    return None
+
+
+def shm_bytes(path: str = "/dev/shm") -> int | None:
+    """Size of the shared-memory file system loader workers pass batches through, or None
+    where there is none (not Linux). Docker's default is 64 MiB, too small for most loaders."""
+    import shutil
+
+    try:
+        return shutil.disk_usage(path).total
+    except OSError:
+        return None
+
+
+def start_method() -> str:
+    """The multiprocessing start method DataLoader workers will use (fork, spawn or
+    forkserver). Python 3.14 made forkserver the Linux default; spawn and forkserver re-import
+    torch in every worker, about a second each."""
+    import multiprocessing
+
+    # Not get_start_method(allow_none=False): that would fix the method for the process.
+    return multiprocessing.get_start_method(allow_none=True) or (
+        multiprocessing.get_all_start_methods()[0]  # the platform default comes first
+    )
