@@ -28,6 +28,9 @@ METRIC_NAMES = (THROUGHPUT, VAL_LOSS)
 DIRECTIONS: tuple[Literal["maximize"], Literal["minimize"]] = ("maximize", "minimize")
 BASELINE_ATTR = "baseline"
 PARAMS_ATTR = "loader_params"
+# Trial attributes: the machine a trial ran on (a dict) and its short hardware-class key.
+HARDWARE_ATTR = "hardware"
+HARDWARE_CLASS_ATTR = "hardware_class"
 # Study attributes.
 FINGERPRINT_ATTR = "fingerprint"
 BUDGET_ATTR = "trial_budget"
