@@ -7,6 +7,7 @@ keys is in README.md ("Config reference"); `studies/quickstart.toml` is a workin
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Mapping
@@ -53,6 +54,9 @@ class StudyConfig:
     training: TrainingSettings = TrainingSettings()  # noqa: RUF009
     space: SearchSpace = SearchSpace()  # noqa: RUF009
     sampler: SamplerConfig = SamplerConfig()
+    # The validated TOML document this config came from: stored with the study so that
+    # `loader-search worker` on another machine rebuilds the very same config.
+    document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.training.base_batch_size not in self.space.batch_sizes:
@@ -205,6 +209,7 @@ def load_config(path: str | Path) -> StudyConfig:
 
 def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConfig:
     """Validate a config already parsed from TOML (or written as a dict in Python)."""
+    document = copy.deepcopy(dict(data))
     top = _Table(source, "", data)
     study = top.table("study")
     sampler = top.table("sampler")
@@ -263,6 +268,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
         training=settings,
         space=search_space,
         sampler=sampler_config,
+        document=document,
     )
 
 

@@ -18,6 +18,7 @@ from statistics import median
 from typing import Any, Literal
 
 import optuna
+from optuna.study._multi_objective import _get_pareto_front_trials_by_trials
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, dataloader_snippet
@@ -96,12 +97,16 @@ class StudySummary:
     pareto: tuple[TrialPoint, ...]  # fastest first
     recommended: Recommendation | None
     loss_tolerance: float
+    n_infeasible: int = 0  # completed, but ran out of memory or diverged: never recommended
+    hardware_class: str | None = None  # set when the summary covers one class of several
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "study": self.study_name,
+            "hardware_class": self.hardware_class,
             "trials": {
                 "complete": self.n_complete,
+                "infeasible": self.n_infeasible,
                 "failed": self.n_failed,
                 "running": self.n_running,
             },
@@ -151,32 +156,51 @@ def recommend(
     return Recommendation(chosen, speedup, change, rule)
 
 
-def summarize(study: optuna.Study, loss_tolerance: float) -> StudySummary:
-    """The study's results. The Pareto set is Optuna's own ``best_trials`` (which drops
-    infeasible trials), sorted fastest first."""
+def is_feasible(trial: FrozenTrial) -> bool:
+    """Optuna's rule: every constraint set with ``trial.set_constraint`` is <= 0."""
+    return all(value <= 0.0 for value in trial.constraints.values())
+
+
+def hardware_classes(study: optuna.Study) -> list[str]:
+    """The hardware classes the study's trials ran on, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for trial in study.get_trials(deepcopy=False):
+        key = trial.user_attrs.get(HARDWARE_CLASS_ATTR)
+        if key is not None:
+            seen.setdefault(key, None)
+    return list(seen)
+
+
+def summarize(
+    study: optuna.Study, loss_tolerance: float, hardware_class: str | None = None
+) -> StudySummary:
+    """The study's results, or those of one ``hardware_class`` (throughputs measured on
+    different machines never compare). The Pareto set is that of the feasible completed
+    trials (equal to Optuna's ``best_trials`` for a whole study), sorted fastest first."""
     trials = study.get_trials(deepcopy=False)
+    if hardware_class is not None:
+        trials = [t for t in trials if t.user_attrs.get(HARDWARE_CLASS_ATTR) == hardware_class]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    baseline = next((trial_point(t) for t in complete if t.user_attrs.get(BASELINE_ATTR)), None)
+    feasible = [t for t in complete if is_feasible(t)]
+    baseline = next((trial_point(t) for t in feasible if t.user_attrs.get(BASELINE_ATTR)), None)
     if baseline is not None:
         # Speedups divide by the baseline: use every measurement of its exact settings (the
         # sampler may run them again), not only the first, which is the noisiest (it is the
         # first training in the process).
-        same = [p.throughput for p in map(trial_point, complete) if p.params == baseline.params]
+        same = [p.throughput for p in map(trial_point, feasible) if p.params == baseline.params]
         if len(same) > 1:
             baseline = replace(baseline, throughput=median(same), measurements=tuple(same))
-    pareto = tuple(
-        sorted(
-            (trial_point(t) for t in study.best_trials) if complete else (),
-            key=lambda p: (-p.throughput, p.val_loss),
-        )
-    )
+    front = _get_pareto_front_trials_by_trials(feasible, study.directions)
+    pareto = tuple(sorted(map(trial_point, front), key=lambda p: (-p.throughput, p.val_loss)))
     return StudySummary(
         study_name=study.study_name,
-        n_complete=len(complete),
+        n_complete=len(feasible),
         n_failed=sum(t.state == TrialState.FAIL for t in trials),
         n_running=sum(t.state == TrialState.RUNNING for t in trials),
         baseline=baseline,
         pareto=pareto,
         recommended=recommend(pareto, baseline, loss_tolerance),
         loss_tolerance=loss_tolerance,
+        n_infeasible=len(complete) - len(feasible),
+        hardware_class=hardware_class,
     )

@@ -10,9 +10,14 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import URL, make_url
 
@@ -88,13 +93,35 @@ def _mask_in(text: str, url: str) -> str:
     return text
 
 
-def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBStorage:
+@dataclass(frozen=True)
+class Heartbeat:
+    """How workers prove they are alive. A RUNNING trial whose worker has not written a
+    heartbeat for ``grace_period_s`` is failed by whichever worker sweeps first, and queued
+    again with the same settings at most ``max_retry`` times."""
+
+    interval_s: int = 20
+    grace_period_s: int = 120
+    max_retry: int = 2
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 1 or self.grace_period_s <= self.interval_s or self.max_retry < 0:
+            raise ValueError(
+                "heartbeat: need interval_s >= 1, grace_period_s > interval_s, max_retry >= 0;"
+                f" got {self.interval_s}, {self.grace_period_s}, {self.max_retry}"
+            )
+
+
+def open_storage(
+    url: str, *, must_exist: bool = False, heartbeat: Heartbeat | None = None
+) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage for ``url``, creating the schema if the database is empty.
 
-    With ``must_exist`` a SQLite file that does not exist is an error instead of being
-    created (for commands that only read). Every failure a user can fix (malformed URL,
-    missing driver, unreachable server, a file that is not a database) becomes a one-line
-    `UserError` that shows the URL masked.
+    With ``must_exist`` the database must already hold the schema (for commands that only
+    read, and for workers joining a study): nothing is created. ``heartbeat`` turns on
+    Optuna's heartbeats and the retry of stale trials. Every failure a user can fix
+    (malformed URL, missing driver, unreachable server, wrong credentials, a file that is
+    not a database, a schema of another Optuna version) becomes a one-line `UserError` that
+    shows the URL masked.
     """
     import optuna
 
@@ -114,12 +141,36 @@ def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBSt
     backend = parsed.get_backend_name()
     if must_exist and backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
         _check_study_file(Path(parsed.database), shown)
-    engine_kwargs = {}
-    if backend != "sqlite":
-        # Long-lived workers hold connections for hours; test them before use.
-        engine_kwargs["pool_pre_ping"] = True
+    engine_kwargs: dict[str, Any] = {}
+    if backend == "sqlite":
+        # Several local workers write to one file: wait for its lock instead of failing.
+        engine_kwargs["connect_args"] = {"timeout": 60}
+    else:
+        # A worker holds its connections for hours while trials train, and the server may
+        # restart meanwhile: test each connection before use, recycle old ones, and keep the
+        # pool small (a worker needs one for its work and one for the heartbeat).
+        engine_kwargs.update(pool_pre_ping=True, pool_recycle=1800, pool_size=2, max_overflow=3)
+    heartbeat_kwargs: dict[str, Any] = {}
+    if heartbeat is not None:
+        heartbeat_kwargs = {
+            "heartbeat_interval": heartbeat.interval_s,
+            "grace_period": heartbeat.grace_period_s,
+            "heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=heartbeat.max_retry
+            ),
+        }
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                skip_table_creation=must_exist,
+                **heartbeat_kwargs,
+            )
+        if must_exist and backend != "sqlite":
+            _check_schema(storage, shown)
+        return storage
     except sqlalchemy.exc.NoSuchModuleError:
         raise UserError(
             f"storage URL {shown}: unknown database dialect {parsed.drivername!r}; use"
@@ -133,10 +184,77 @@ def open_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBSt
             f"cannot reach storage {shown}: {_mask_in(_first_line(exc), url)}; check the host,"
             " the credentials and that the database exists"
         ) from None
-    except Exception as exc:  # a bad URL option, a file that is not a database, a schema...
+    except UserError:
+        raise
+    except RuntimeError as exc:
+        if "no longer compatible" not in str(exc) and "not supported" not in str(exc):
+            raise UserError(
+                f"cannot open storage {shown}: {_mask_in(_first_line(exc), url)}"
+            ) from None
+        raise UserError(
+            f"storage {shown} holds an Optuna schema this version cannot use; upgrade it with"
+            " `optuna storage upgrade --storage URL` (back the database up first)"
+        ) from None
+    except Exception as exc:  # a bad URL option, a file that is not a database...
         raise UserError(
             f"cannot open storage {shown}: {type(exc).__name__}: {_mask_in(_first_line(exc), url)}"
         ) from None
+
+
+def _check_schema(storage: optuna.storages.RDBStorage, shown: str) -> None:
+    """A server database must already hold Optuna's tables for a read or a join."""
+    tables = set(sqlalchemy.inspect(storage.engine).get_table_names())
+    if not {"studies", "trials", "version_info"} <= tables:
+        raise UserError(
+            f"storage {shown} has no loader-search (Optuna) tables: create the study there"
+            " with `loader-search run CONFIG --storage URL` first"
+        )
+
+
+T = TypeVar("T")
+
+# Errors that mean "the database is unreachable for now", not "the request is wrong".
+_TRANSIENT = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.DisconnectionError,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A dropped connection or a restarting server; Optuna wraps those raised at commit in
+    StorageInternalError."""
+    from optuna.exceptions import StorageInternalError
+
+    if isinstance(exc, StorageInternalError):
+        return isinstance(exc.__cause__, _TRANSIENT)
+    return isinstance(exc, _TRANSIENT)
+
+
+def retrying(
+    action: Callable[[], T],
+    *,
+    deadline_s: float = 300.0,
+    on_retry: Callable[[BaseException, float], None] | None = None,
+) -> T:
+    """Run ``action``, retrying while the database is unreachable (up to ``deadline_s``).
+
+    A trial that finished while the database restarted must keep its result: its writes are
+    retried with backoff (0.5 s doubling to 10 s) instead of being lost. ``on_retry``
+    receives the error and the seconds until the next try.
+    """
+    start = time.monotonic()
+    pause = 0.5
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if not is_transient(exc) or time.monotonic() - start + pause > deadline_s:
+                raise
+            if on_retry is not None:
+                on_retry(exc, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 10.0)
 
 
 def _check_study_file(path: Path, shown: str) -> None:

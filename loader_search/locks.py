@@ -1,0 +1,155 @@
+"""Two locks that keep shared studies honest.
+
+*Host lock* (between processes on one machine): two trials training at once steal CPU and
+GPU from each other and make both throughputs wrong. By default a trial holds the whole host
+(an exclusive ``flock`` on ``host.lock``). A worker pinned to its own CPUs (and GPU) holds the
+host lock *shared* plus an exclusive lock per CPU and GPU it uses: pinned workers with
+disjoint sets run side by side, overlapping ones take turns, and an unpinned trial waits for
+all of them (and they for it).
+
+*Study lock* (between workers on any machine): counting a study's budget and taking the next
+trial must be one step, or two workers that both see "one trial left" run two. The database
+itself provides it: ``pg_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on MySQL/MariaDB, and a
+``flock`` beside the file for SQLite (workers on one machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+import sqlalchemy
+from sqlalchemy.engine import Engine
+
+LOCK_DIR_ENV = "LOADER_SEARCH_LOCK_DIR"
+
+
+def lock_dir() -> Path:
+    """Where host locks live: ``$LOADER_SEARCH_LOCK_DIR``, else a folder in the system's temp
+    directory shared by every user of the machine. Containers on one host must mount the same
+    folder there to see each other's trials."""
+    configured = os.environ.get(LOCK_DIR_ENV)
+    path = Path(configured) if configured else Path(tempfile.gettempdir()) / "loader-search-locks"
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # another user's folder: leave its mode alone
+            path.chmod(0o1777)  # sticky and world-writable, like /tmp
+    return path
+
+
+def _open_lock_file(path: Path) -> IO[bytes]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    return os.fdopen(fd, "r+b")
+
+
+def _flock(
+    handle: IO[bytes], mode: int, on_wait: Callable[[], None] | None, waited: list[bool]
+) -> None:
+    """Take ``mode`` on ``handle``; if it is busy, say so once and block (Ctrl-C works)."""
+    try:
+        fcntl.flock(handle, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if on_wait is not None and not waited:
+            on_wait()
+        waited.append(True)
+        fcntl.flock(handle, mode)
+
+
+@contextlib.contextmanager
+def host_lock(
+    cpus: Sequence[int] | None = None,
+    gpu: int | None = None,
+    *,
+    on_wait: Callable[[], None] | None = None,
+    directory: Path | None = None,
+) -> Iterator[None]:
+    """Hold this machine for one trial (see the module docstring). ``on_wait`` is called
+    once if the lock is busy, before blocking."""
+    folder = directory or lock_dir()
+    names = []
+    if cpus:
+        names += [f"cpu-{cpu}.lock" for cpu in sorted(set(cpus))]
+    if gpu is not None:
+        names.append(f"gpu-{gpu}.lock")
+    pinned = bool(names)
+    handles: list[IO[bytes]] = []
+    waited: list[bool] = []
+    try:
+        host = _open_lock_file(folder / "host.lock")
+        handles.append(host)
+        _flock(host, fcntl.LOCK_SH if pinned else fcntl.LOCK_EX, on_wait, waited)
+        for name in names:  # always in the same order: no deadlock between pinned workers
+            handle = _open_lock_file(folder / name)
+            handles.append(handle)
+            _flock(handle, fcntl.LOCK_EX, on_wait, waited)
+        yield
+    finally:
+        for handle in reversed(handles):
+            handle.close()  # closing releases the flock
+
+
+def _lock_key(study_id: int) -> int:
+    """A signed 64-bit key for ``pg_advisory_lock``, private to loader-search studies."""
+    digest = hashlib.sha256(f"loader-search-study-{study_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+_MEMORY_LOCKS: dict[str, threading.Lock] = {}
+
+
+@contextlib.contextmanager
+def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> Iterator[None]:
+    """Serialise "count the budget, take the next trial" between every worker of a study."""
+    backend = engine.url.get_backend_name()
+    if backend == "postgresql":
+        with engine.connect() as connection:
+            key = _lock_key(study_id)
+            connection.execute(  # for this transaction only; SET takes no parameters
+                sqlalchemy.text("SELECT set_config('lock_timeout', :ms, true)"),
+                {"ms": f"{int(timeout_s * 1000)}ms"},
+            )
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            connection.commit()
+            try:
+                yield
+            finally:
+                _release(connection, "SELECT pg_advisory_unlock(:key)", {"key": key})
+    elif backend in ("mysql", "mariadb"):
+        with engine.connect() as connection:
+            name = f"loader_search_study_{study_id}"
+            got = connection.execute(
+                sqlalchemy.text("SELECT GET_LOCK(:name, :timeout)"),
+                {"name": name, "timeout": int(timeout_s)},
+            ).scalar()
+            if got != 1:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for the study lock {name}")
+            try:
+                yield
+            finally:
+                _release(connection, "SELECT RELEASE_LOCK(:name)", {"name": name})
+    else:
+        database = engine.url.database
+        if not database or database == ":memory:":
+            with _MEMORY_LOCKS.setdefault(str(engine.url), threading.Lock()):
+                yield
+            return
+        with _open_lock_file(Path(f"{database}.loader-search.lock")) as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+
+def _release(connection: sqlalchemy.Connection, statement: str, params: dict[str, object]) -> None:
+    """Unlock; a connection that cannot say so is thrown away, and the server drops its locks
+    with the session, so a lock never outlives a broken connection in the pool."""
+    try:
+        connection.execute(sqlalchemy.text(statement), params)
+        connection.commit()
+    except Exception:
+        connection.invalidate()
