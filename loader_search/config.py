@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loader_search.errors import UserError
+from loader_search.isolation import TrialLimits
 from loader_search.params import LR_SCALINGS, TrainingSettings
 from loader_search.space import CpuRange, IntRange, SearchSpace, power_of_two_steps
+from loader_search.storage import Heartbeat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +56,8 @@ class StudyConfig:
     training: TrainingSettings = TrainingSettings()  # noqa: RUF009
     space: SearchSpace = SearchSpace()  # noqa: RUF009
     sampler: SamplerConfig = SamplerConfig()
+    heartbeat: Heartbeat = Heartbeat()  # noqa: RUF009
+    limits: TrialLimits = TrialLimits()  # noqa: RUF009
     # The validated TOML document this config came from: stored with the study so that
     # `loader-search worker` on another machine rebuilds the very same config.
     document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -216,11 +220,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     workload = top.table("workload")
     training = top.table("training")
     space = top.table("space")
+    workers = top.table("workers")
+    limits = top.table("limits")
     if top.data:
         key = sorted(top.data)[0]
         raise UserError(
             f"{source}: unknown table or key {key!r}"
-            " (use [study], [sampler], [workload], [training], [space])"
+            " (use [study], [sampler], [workload], [training], [space], [workers], [limits])"
         )
     defaults = StudyConfig()
     name = study.string("name", None)
@@ -249,6 +255,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     device = training.string("device", defaults.device)
     settings = _parse_training(training, seed)
     search_space = _parse_space(space)
+    heartbeat = _parse_workers(workers)
+    trial_limits = _parse_limits(limits)
 
     if settings.base_batch_size not in search_space.batch_sizes:
         raise UserError(
@@ -268,6 +276,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
         training=settings,
         space=search_space,
         sampler=sampler_config,
+        heartbeat=heartbeat,
+        limits=trial_limits,
         document=document,
     )
 
@@ -291,6 +301,30 @@ def _parse_sampler(table: _Table) -> SamplerConfig:
         )
     table.done()
     return config
+
+
+def _parse_workers(table: _Table) -> Heartbeat:
+    defaults = Heartbeat()
+    interval = table.int("heartbeat_interval_s", defaults.interval_s, minimum=1)
+    grace = table.int("grace_period_s", defaults.grace_period_s, minimum=2)
+    if grace <= interval:
+        raise table.error(
+            "grace_period_s", grace, f"must exceed heartbeat_interval_s ({interval})"
+        )
+    retries = table.int("max_retry", defaults.max_retry, minimum=0)
+    table.done()
+    return Heartbeat(interval_s=interval, grace_period_s=grace, max_retry=retries)
+
+
+def _parse_limits(table: _Table) -> TrialLimits:
+    """``[limits]``: when a trial is killed. ``memory_limit_gb`` is in GiB (2**30 bytes), as
+    ``docker run --memory 8g`` counts."""
+    defaults = TrialLimits()
+    timeout_s = table.number("trial_timeout_s", defaults.timeout_s, positive=True)
+    memory_gb = table.number("memory_limit_gb", None, positive=True)
+    table.done()
+    memory = None if memory_gb is None else max(1, round(memory_gb * 2**30))
+    return TrialLimits(timeout_s=timeout_s, memory_limit_bytes=memory)
 
 
 def _parse_training(table: _Table, seed: int) -> TrainingSettings:

@@ -162,6 +162,9 @@ def start_method() -> str:
     import multiprocessing
 
     # Not get_start_method(allow_none=False): that would fix the method for the process.
-    return multiprocessing.get_start_method(allow_none=True) or (
-        multiprocessing.get_all_start_methods()[0]  # the platform default comes first
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or (
+            multiprocessing.get_all_start_methods()[0]  # the platform default comes first
+        )
     )

@@ -65,6 +65,10 @@ class TrialResult:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+def _no_progress() -> None:
+    pass
+
+
 def _sync_for(device: torch.device) -> Callable[[], None]:
     """Waits for the device's queued work (CUDA runs asynchronously); a no-op on CPU."""
     if device.type == "cuda":
@@ -77,13 +81,20 @@ def run_trial(
     params: LoaderParams,
     settings: TrainingSettings,
     device: torch.device | str = "cpu",
+    *,
+    progress: Callable[[], None] | None = None,
 ) -> TrialResult:
     """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure.
+
+    ``progress`` is called after every training step and every evaluation batch: it is the
+    heartbeat `loader_search.isolation` watches to tell a slow trial from a hung one. It must
+    be cheap (it runs inside the timed window).
 
     Raises `TrainingDiverged` when the loss becomes non-finite, and ``ValueError`` when the
     budget is too small to measure anything after the warm-up.
     """
     device = torch.device(device)
+    tick = progress if progress is not None else _no_progress
     warmup = warmup_batches(params, settings.warmup_batches)
     steps = math.ceil(settings.train_samples / params.batch_size)
     if steps < batches_needed(params, settings.warmup_batches):
@@ -118,7 +129,15 @@ def run_trial(
             )
             meter = StepMeter(warmup, sync)
             last_loss, epochs, stats = _train(
-                model, optimizer, workload, loader, meter, settings.train_samples, device, params
+                model,
+                optimizer,
+                workload,
+                loader,
+                meter,
+                settings.train_samples,
+                device,
+                params,
+                tick,
             )
             del loader  # shuts down persistent workers before evaluation
             train_time = time.perf_counter() - train_start
@@ -129,7 +148,7 @@ def run_trial(
                     " or use lr_scaling = 'sqrt'"
                 )
             eval_start = time.perf_counter()
-            val_loss, val_accuracy = _evaluate(model, workload, params, settings, device)
+            val_loss, val_accuracy = _evaluate(model, workload, params, settings, device, tick)
             eval_time = time.perf_counter() - eval_start
         if not math.isfinite(val_loss):
             raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
@@ -166,6 +185,7 @@ def _train(
     budget: int,
     device: torch.device,
     params: LoaderParams,
+    progress: Callable[[], None],
 ) -> tuple[torch.Tensor, int, WindowStats]:
     """The training loop; returns the last batch's loss (a tensor: no per-step device sync),
     the epochs begun and the measured window."""
@@ -195,6 +215,7 @@ def _train(
         optimizer.step()
         seen += n
         meter.step(n)
+        progress()
     # The window closes before the iterator is dropped: shutting workers down is not training,
     # and persistent and non-persistent loaders must be timed alike.
     stats = meter.finish()
@@ -208,6 +229,7 @@ def _evaluate(
     params: LoaderParams,
     settings: TrainingSettings,
     device: torch.device,
+    progress: Callable[[], None],
 ) -> tuple[float, float | None]:
     """Mean validation loss over all samples (and accuracy for class-index targets)."""
     eval_params = LoaderParams(
@@ -237,4 +259,5 @@ def _evaluate(
                 correct += int((outputs.argmax(1) == targets).sum())
             else:
                 classification = False
+            progress()
     return total_loss / count, (correct / count if classification else None)

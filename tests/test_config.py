@@ -134,3 +134,30 @@ def test_cli_overrides() -> None:
         StudyConfig().with_overrides(timeout_s=-1)
     with pytest.raises(UserError, match="--study-name is empty"):
         StudyConfig().with_overrides(name=" ")
+
+
+def test_trial_limits() -> None:
+    from loader_search.isolation import TrialLimits
+
+    assert parse_config({}).limits == TrialLimits(timeout_s=600.0, memory_limit_bytes=None)
+    limits = parse_config({"limits": {"trial_timeout_s": 30, "memory_limit_gb": 1.5}}).limits
+    assert limits == TrialLimits(timeout_s=30.0, memory_limit_bytes=3 * 2**29)
+
+
+BAD_LIMITS = [
+    ({"limits": {"trial_timeout_s": 0}}, "limits.trial_timeout_s = 0: must be greater than 0"),
+    ({"limits": {"trial_timeout_s": "1h"}}, 'limits.trial_timeout_s = "1h": must be a number'),
+    ({"limits": {"memory_limit_gb": -2}}, "limits.memory_limit_gb = -2: must be greater than 0"),
+    ({"limits": {"memory_limit_gb": math.inf}}, "limits.memory_limit_gb = inf: must be a number"),
+    ({"limits": {"memory_limit": 4}}, "unknown key limits.memory_limit"),
+    ({"limits": 5}, "[limits] must be a table"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), BAD_LIMITS)
+def test_bad_limits_are_named(data: dict, message: str) -> None:
+    with pytest.raises(UserError) as info:
+        parse_config(data, source="bad.toml")
+    text = str(info.value)
+    assert text.startswith("bad.toml") and message in text
+    assert "\n" not in text

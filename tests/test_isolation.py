@@ -1,0 +1,326 @@
+"""Trials in child processes: every way a trial can end is classified, and nothing is left.
+
+The failures are real (signals, allocations, hangs) and so are the child processes; see
+`tests._faults`. Each run must leave this process without children: a leaked loader worker
+or trial process fails the test that leaked it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import pytest
+
+from loader_search.errors import TrainingDiverged
+from loader_search.isolation import (
+    CRASHED,
+    CUDA_OOM,
+    DIVERGED,
+    EXCEPTION,
+    HOST_OOM,
+    INFEASIBLE_REASONS,
+    INTERRUPTED,
+    TIMEOUT,
+    WORKER_KILLED,
+    TrialLimits,
+    TrialOutcome,
+    _run_in_process,
+    can_isolate,
+    classify_exception,
+    classify_exit,
+    run_isolated,
+)
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.trial import run_trial
+from loader_search.workloads import Workload
+from tests import _faults
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not can_isolate(), reason="trials are isolated on Linux only")
+
+SETTINGS = TrainingSettings(train_samples=256, base_batch_size=16, eval_batch_size=64)
+NO_WORKERS = LoaderParams(16, torch_threads=1)
+ONE_WORKER = LoaderParams(16, num_workers=1, prefetch_factor=2, torch_threads=1)
+TWO_WORKERS = LoaderParams(16, num_workers=2, prefetch_factor=2, torch_threads=1)
+
+
+def _descendants() -> list[psutil.Process]:
+    """Live (not zombie) descendants of this test process."""
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _isolated(workload: Workload, params: LoaderParams, **kwargs: object) -> TrialOutcome:
+    outcome = run_isolated(workload, params, SETTINGS, "cpu", **kwargs)  # type: ignore[arg-type]
+    assert _descendants() == [], "the trial left processes running"
+    assert outcome.isolated
+    assert (outcome.result is None) != (outcome.failure is None)
+    return outcome
+
+
+def test_isolation_changes_nothing_that_is_learned(tiny_workload: Workload) -> None:
+    settings = TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64)
+    in_process = run_trial(tiny_workload, ONE_WORKER, settings)
+    outcome = run_isolated(tiny_workload, ONE_WORKER, settings)
+    assert outcome.failure is None and outcome.result is not None
+    assert outcome.result.val_loss == in_process.val_loss
+    assert outcome.result.final_train_loss == in_process.final_train_loss
+    assert outcome.result.measured_samples == in_process.measured_samples
+    assert outcome.exitcode == 0
+    assert 0 < outcome.startup_s < outcome.wall_s
+    assert outcome.overhead_s < outcome.wall_s
+    assert _descendants() == []
+
+
+def test_threads_used_before_the_fork_do_not_hang_the_child(tiny_workload: Workload) -> None:
+    # GNU OpenMP deadlocks a forked child whose parent ran a multi-threaded op, unless the
+    # parent's OpenMP threads are released before the fork.
+    params = LoaderParams(16, torch_threads=2)
+    run_trial(tiny_workload, params, SETTINGS)  # this process now has OpenMP threads
+    outcome = _isolated(tiny_workload, params, limits=TrialLimits(timeout_s=20))
+    assert outcome.failure is None
+
+
+@dataclass(frozen=True)
+class Case:
+    factory: Callable[[], Workload]
+    params: LoaderParams
+    reason: str
+    message: str  # a part of the message
+    hint: str = ""  # a part of the hint
+    timeout_s: float = 60.0
+    trace: str = ""  # a part of the traceback
+
+
+CASES = {
+    "worker segfault": Case(
+        _faults.worker_segfault, ONE_WORKER, WORKER_KILLED, "DataLoader worker", "num_workers=0"
+    ),
+    "worker bus error": Case(
+        _faults.worker_sigbus, ONE_WORKER, WORKER_KILLED, "DataLoader worker", "--shm-size=2g"
+    ),
+    "worker killed by the OOM killer": Case(
+        _faults.worker_sigkill, ONE_WORKER, HOST_OOM, "Killed", "fewer num_workers"
+    ),
+    "hang in a worker": Case(
+        _faults.hang, ONE_WORKER, TIMEOUT, "no training progress for 3 s", timeout_s=3
+    ),
+    "hang in the main process": Case(
+        lambda: _faults.hang(in_worker_only=False), NO_WORKERS, TIMEOUT, "3 s", timeout_s=3
+    ),
+    "user error": Case(
+        _faults.user_error,
+        NO_WORKERS,
+        EXCEPTION,
+        "ValueError: sample",
+        "traceback",
+        trace="in _bad_sample",
+    ),
+    "user error in a worker": Case(
+        _faults.user_error,
+        ONE_WORKER,
+        EXCEPTION,
+        "is corrupt (in DataLoader worker process 0)",
+        trace="ValueError: sample",
+    ),
+    "CUDA out of memory": Case(
+        _faults.cuda_oom, NO_WORKERS, CUDA_OOM, "Tried to allocate 2.00 GiB", "smaller batch"
+    ),
+    "CPU allocator failure": Case(
+        _faults.cpu_alloc_failure, NO_WORKERS, HOST_OOM, "DefaultCPUAllocator", "memory"
+    ),
+    "NaN loss": Case(_faults.nan_loss, NO_WORKERS, DIVERGED, "training loss became nan", "lr"),
+    "segfault in training": Case(_faults.main_segfault, NO_WORKERS, CRASHED, "SIGSEGV"),
+    "killed by the OOM killer": Case(
+        _faults.main_sigkill, NO_WORKERS, HOST_OOM, "SIGKILL, not by loader-search"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_failures_are_classified(name: str) -> None:
+    case = CASES[name]
+    started = time.perf_counter()
+    outcome = _isolated(case.factory(), case.params, limits=TrialLimits(timeout_s=case.timeout_s))
+    failure = outcome.failure
+    assert failure is not None
+    assert failure.reason == case.reason, failure
+    assert failure.infeasible == (case.reason in INFEASIBLE_REASONS)
+    assert case.message in failure.message
+    assert "\n" not in failure.message and "\n" not in failure.hint
+    assert case.hint in failure.hint
+    assert case.trace in failure.traceback
+    if case.reason == TIMEOUT:
+        assert case.timeout_s <= time.perf_counter() - started < case.timeout_s + 5
+
+
+def test_memory_limit_kills_the_trial() -> None:
+    # The limit sits well above what the child inherits from this process, whatever its size.
+    limit = psutil.Process().memory_info().rss + 512 * 2**20
+    outcome = _isolated(
+        _faults.memory_hog(), NO_WORKERS, limits=TrialLimits(memory_limit_bytes=limit)
+    )
+    failure = outcome.failure
+    assert failure is not None and failure.reason == HOST_OOM and failure.infeasible
+    assert "above the limit" in failure.message
+    assert outcome.exitcode == -signal.SIGKILL
+
+
+def test_a_timeout_kills_the_loader_workers_too() -> None:
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            seen.update(p.pid for p in psutil.Process().children(recursive=True))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outcome = _isolated(_faults.hang(), TWO_WORKERS, limits=TrialLimits(timeout_s=3))
+    finally:
+        done.set()
+        watcher.join()
+    assert outcome.failure is not None and outcome.failure.reason == TIMEOUT
+    assert len(seen) >= 3, "expected the trial process and its two loader workers"
+    assert all(_gone(pid) for pid in seen)
+
+
+def test_the_parent_carries_on_after_failures(tiny_workload: Workload) -> None:
+    for factory in (_faults.main_segfault, _faults.cuda_oom, _faults.worker_sigbus):
+        assert _isolated(factory(), ONE_WORKER).failure is not None
+    outcome = _isolated(tiny_workload, ONE_WORKER)
+    assert outcome.result is not None and math.isfinite(outcome.result.val_loss)
+
+
+def test_the_trial_runs_on_the_given_cpus() -> None:
+    cpus = sorted(os.sched_getaffinity(0))[-1:]
+    # The probe raises in the loader worker unless it inherited the trial's pinning.
+    outcome = _isolated(_faults.affinity_probe(cpus), ONE_WORKER, cpus=cpus)
+    assert outcome.failure is None, outcome.failure
+
+
+def test_pinning_is_checked_before_forking() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        run_isolated(_faults.good(), NO_WORKERS, SETTINGS, "cpu", gpu=0)
+    with pytest.raises(ValueError, match="subset of the CPUs this process may use"):
+        run_isolated(_faults.good(), NO_WORKERS, SETTINGS, "cpu", cpus=[4096])
+
+
+INTERRUPT_SCRIPT = """
+import sys
+import psutil
+from loader_search.isolation import TrialLimits, run_isolated
+from loader_search.params import LoaderParams, TrainingSettings
+from tests._faults import hang
+
+settings = TrainingSettings(train_samples=256, base_batch_size=16)
+params = LoaderParams(16, num_workers=2, prefetch_factor=2, torch_threads=1)
+print("ready", flush=True)
+try:
+    run_isolated(hang(), params, settings, limits=TrialLimits(timeout_s=120))
+except KeyboardInterrupt:
+    print("interrupted; left running:", len(psutil.Process().children(recursive=True)))
+    sys.exit(0)
+print("returned instead of raising")
+"""
+
+
+def test_ctrl_c_kills_the_trial_and_is_raised() -> None:
+    script = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPT_SCRIPT],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert script.stdout is not None
+        assert script.stdout.readline().strip() == "ready"
+        parent = psutil.Process(script.pid)
+        deadline = time.monotonic() + 60
+        tree: list[psutil.Process] = []
+        while len(tree) < 3 and time.monotonic() < deadline:  # the trial and its 2 workers
+            time.sleep(0.2)
+            tree = parent.children(recursive=True)
+        assert len(tree) >= 3
+        time.sleep(0.5)  # the workers are now blocked in the dataset
+        script.send_signal(signal.SIGINT)
+        out, err = script.communicate(timeout=60)
+    finally:
+        script.kill()
+    assert "interrupted; left running: 0" in out, err
+    assert script.returncode == 0
+    assert all(_gone(p.pid) for p in tree)
+
+
+def test_without_fork_the_trial_runs_in_process_with_the_same_classification() -> None:
+    outcome = _run_in_process(_faults.cuda_oom(), NO_WORKERS, SETTINGS, "cpu")
+    assert not outcome.isolated
+    assert outcome.failure is not None and outcome.failure.reason == CUDA_OOM
+    good = _run_in_process(_faults.good(), NO_WORKERS, SETTINGS, "cpu")
+    assert good.result is not None and good.failure is None
+
+
+def _raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+    try:
+        raise exc from cause
+    except BaseException as caught:
+        return caught
+
+
+def test_classification_of_exceptions() -> None:
+    wrapped = _raised(RuntimeError("loading failed"), MemoryError())
+    assert classify_exception(wrapped).reason == HOST_OOM
+    text_only = _raised(RuntimeError("CUDA error: out of memory"))
+    assert classify_exception(text_only).reason == CUDA_OOM
+    diverged = classify_exception(_raised(TrainingDiverged("validation loss is nan")))
+    assert (diverged.reason, diverged.infeasible) == (DIVERGED, True)
+    shm = classify_exception(
+        _raised(RuntimeError("unable to write to file </torch_123_456>: No space left (28)"))
+    )
+    assert shm.reason == WORKER_KILLED and "--shm-size" in shm.hint
+    interrupted = classify_exception(_raised(KeyboardInterrupt()))
+    assert interrupted.reason == INTERRUPTED and not interrupted.infeasible
+    plain = classify_exception(_raised(KeyError("image_path")))
+    assert (plain.reason, plain.message) == (EXCEPTION, "KeyError: 'image_path'")
+    assert "test_isolation.py" in plain.traceback
+    assert len(plain.traceback.splitlines()) <= 15
+    long = classify_exception(_raised(ValueError("x" * 5000 + "\nsecond line")))
+    assert len(long.message) <= 500 and "\n" not in long.message
+
+
+def test_classification_of_exits() -> None:
+    assert classify_exit(-signal.SIGKILL).reason == HOST_OOM
+    crashed = classify_exit(-signal.SIGABRT)
+    assert crashed.reason == CRASHED and "SIGABRT" in crashed.message
+    assert classify_exit(3).reason == CRASHED
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        TrialLimits(timeout_s=0)
+    with pytest.raises(ValueError, match="memory_limit_bytes"):
+        TrialLimits(memory_limit_bytes=0)
