@@ -1,0 +1,482 @@
+"""Report data: everything the study report shows, as plain values.
+
+Compute first, draw second: `collect` reads a study into a `ReportData` made of frozen
+dataclasses; `ReportData.as_dict` is what ``loader-search report --format json`` prints, and
+`loader_search.report_html` only draws it. Tests check this structure, not pictures.
+
+Choices made here, and stated in the report itself:
+
+- The Pareto set, the baseline and the recommendation come from `recommend.summarize`, and the
+  JSON embeds its ``as_dict()`` unchanged, so ``best --json`` and the report always agree.
+- Infeasible trials (COMPLETE, but a constraint above 0, e.g. out of memory) carry placeholder
+  objective values: they are never points on the front, in the hypervolume or in the
+  importances; their measurements that are real (memory) are still shown.
+- Hypervolume is computed in minimisation form (``-throughput``, ``val_loss``) against a
+  reference point fixed for a study's trials: throughput 0 and the worst feasible validation
+  loss plus 10% of its magnitude, so every feasible trial adds to it.
+- A trial is *input-bound* when its training loop waited for data more than
+  `INPUT_BOUND_THRESHOLD` of the measured window, else *compute-bound*.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from statistics import median
+from typing import Any, Literal
+
+import numpy as np
+import optuna
+from optuna.study._constrained_optimization import _get_feasible_trials
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.objective import FAILURE_HINT, FAILURE_MESSAGE, FAILURE_REASON
+from loader_search.params import LoaderParams
+from loader_search.recommend import (
+    BASELINE_ATTR,
+    HARDWARE_ATTR,
+    HARDWARE_CLASS_ATTR,
+    PARAMS_ATTR,
+    THROUGHPUT,
+    VAL_LOSS,
+    StudySummary,
+    summarize,
+)
+
+# Trial user attributes with measurements (see `loader_search.trial.TrialResult`).
+DATA_WAIT = "data_wait_fraction"
+PEAK_RSS = "peak_host_rss_bytes"
+PEAK_GPU = "peak_gpu_bytes"
+TRAIN_TIME = "train_time_s"
+
+# data_wait_fraction above this: the loader, not the model, set the pace of the trial.
+INPUT_BOUND_THRESHOLD = 0.1
+# Hypervolume reference: the worst feasible val_loss plus this share of its magnitude.
+HV_LOSS_MARGIN = 0.1
+OOM_REASONS = ("cuda_oom", "host_oom")
+# The study attributes `runner` records about the machine, shown when trials carry no
+# hardware fingerprint of their own (studies from before it existed).
+ENVIRONMENT_KEYS = (
+    "device",
+    "device_name",
+    "usable_cpus",
+    "torch_version",
+    "optuna_version",
+    "python_version",
+    "loader_search_version",
+)
+
+TrialStatus = Literal["pareto", "dominated", "infeasible", "failed"]
+Bound = Literal["input", "compute"]
+
+
+@dataclass(frozen=True)
+class ReportTrial:
+    """One finished trial as the report shows it.
+
+    ``throughput`` and ``val_loss`` are None for failed and infeasible trials: an infeasible
+    trial's stored values are placeholders, not measurements.
+    """
+
+    number: int
+    status: TrialStatus
+    is_baseline: bool
+    params: LoaderParams | None
+    throughput: float | None
+    val_loss: float | None
+    data_wait_fraction: float | None
+    bound: Bound | None
+    peak_host_rss_bytes: int | None
+    peak_gpu_bytes: int | None
+    duration_s: float | None  # wall time from the trial's start to its end
+    failure_reason: str | None
+    failure_message: str | None
+    failure_hint: str | None
+    hardware_class: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["params"] = self.params.as_dict() if self.params else None
+        return data
+
+
+@dataclass(frozen=True)
+class HypervolumePoint:
+    number: int  # the trial after which it was measured
+    elapsed_s: float  # wall time of every finished trial up to this one, failed ones included
+    hypervolume: float
+
+
+@dataclass(frozen=True)
+class Hypervolume:
+    """Hypervolume after each finished trial, against one fixed reference point."""
+
+    reference_throughput: float
+    reference_val_loss: float | None  # None: no feasible trial yet
+    rule: str
+    points: tuple[HypervolumePoint, ...]
+
+
+@dataclass(frozen=True)
+class Importances:
+    """Parameter importances for one objective (normalised to sum to 1), largest first."""
+
+    objective: str
+    evaluator: str
+    values: tuple[tuple[str, float], ...]
+    note: str  # how it was computed, or why it could not be
+
+
+@dataclass(frozen=True)
+class GridCell:
+    """Median throughput of the feasible trials with one batch size, worker count and
+    prefetch factor (other settings pooled)."""
+
+    batch_size: int
+    num_workers: int
+    prefetch_factor: int | None
+    throughput: float
+    n_trials: int
+
+
+@dataclass(frozen=True)
+class MemoryBoundary:
+    """Out-of-memory trials by batch size: below ``smallest_oom_batch_size`` every batch
+    size ran; None when nothing ran out of memory."""
+
+    oom_trials: tuple[int, ...]
+    smallest_oom_batch_size: int | None
+    largest_ok_batch_size: int | None
+
+
+@dataclass(frozen=True)
+class FailureGroup:
+    """Failed and infeasible trials that share a failure reason."""
+
+    reason: str
+    trials: tuple[int, ...]
+    infeasible: tuple[int, ...]  # the ones among ``trials`` that completed but were infeasible
+    message: str | None  # the first trial's message (first line)
+    hint: str | None
+
+
+@dataclass(frozen=True)
+class HardwareGroup:
+    """Trials that ran on one machine, by its fingerprint."""
+
+    hardware_class: str | None
+    details: tuple[tuple[str, str], ...]
+    trials: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReportData:
+    study: str
+    hardware_class: str | None  # the class the report is restricted to, if any
+    generated_at: str  # ISO 8601, UTC
+    metric_names: tuple[str, str]
+    summary: StudySummary
+    trials: tuple[ReportTrial, ...]  # finished trials, by number
+    n_running: int
+    input_bound_threshold: float
+    hypervolume: Hypervolume
+    importances: tuple[Importances, ...]
+    throughput_grid: tuple[GridCell, ...]
+    memory: MemoryBoundary
+    failures: tuple[FailureGroup, ...]  # most frequent first
+    hardware: tuple[HardwareGroup, ...]
+    environment: tuple[tuple[str, str], ...]  # the study's own record of its machine
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``summary`` is exactly `StudySummary.as_dict` (as in ``best --json``)."""
+        return {
+            "study": self.study,
+            "hardware_class": self.hardware_class,
+            "generated_at": self.generated_at,
+            "metric_names": list(self.metric_names),
+            "summary": self.summary.as_dict(),
+            "trials": [t.as_dict() for t in self.trials],
+            "n_running": self.n_running,
+            "input_bound_threshold": self.input_bound_threshold,
+            "hypervolume": asdict(self.hypervolume),
+            "importances": [asdict(i) for i in self.importances],
+            "throughput_grid": [asdict(c) for c in self.throughput_grid],
+            "memory": asdict(self.memory),
+            "failures": [asdict(f) for f in self.failures],
+            "hardware": [
+                {
+                    "hardware_class": h.hardware_class,
+                    "details": dict(h.details),
+                    "trials": h.trials,
+                }
+                for h in self.hardware
+            ],
+            "environment": dict(self.environment),
+        }
+
+    def trial(self, number: int) -> ReportTrial:
+        return next(t for t in self.trials if t.number == number)
+
+
+def collect(
+    study: optuna.Study, loss_tolerance: float, hardware_class: str | None = None
+) -> ReportData:
+    """Everything the report shows, computed from the study's stored trials; with
+    ``hardware_class``, from the trials of that class only (as ``best`` summarises a study
+    that ran on several: throughputs from different machines never compare)."""
+    summary = summarize(study, loss_tolerance, hardware_class)
+    all_trials = study.get_trials(deepcopy=False)
+    if hardware_class is not None:
+        all_trials = [
+            t for t in all_trials if t.user_attrs.get(HARDWARE_CLASS_ATTR) == hardware_class
+        ]
+    finished = [t for t in all_trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
+    complete = [t for t in finished if t.state == TrialState.COMPLETE]
+    feasible = _get_feasible_trials(complete)
+    feasible_numbers = {t.number for t in feasible}
+    pareto_numbers = {p.number for p in summary.pareto}
+    rows = tuple(_report_trial(t, _status(t, pareto_numbers, feasible_numbers)) for t in finished)
+    return ReportData(
+        study=study.study_name,
+        hardware_class=hardware_class,
+        generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        metric_names=(THROUGHPUT, VAL_LOSS),
+        summary=summary,
+        trials=rows,
+        n_running=sum(t.state == TrialState.RUNNING for t in all_trials),
+        input_bound_threshold=INPUT_BOUND_THRESHOLD,
+        hypervolume=hypervolume_history(finished),
+        importances=importances(feasible, study.directions),
+        throughput_grid=throughput_grid(rows),
+        memory=memory_boundary(rows),
+        failures=failure_groups(rows),
+        hardware=hardware_groups(finished),
+        environment=tuple(
+            (key, str(study.user_attrs[key]))
+            for key in ENVIRONMENT_KEYS
+            if key in study.user_attrs
+        ),
+    )
+
+
+def _status(trial: FrozenTrial, pareto: set[int], feasible: set[int]) -> TrialStatus:
+    if trial.state == TrialState.FAIL:
+        return "failed"
+    if trial.number not in feasible:
+        return "infeasible"
+    return "pareto" if trial.number in pareto else "dominated"
+
+
+def _number(value: Any) -> float | None:
+    """A finite float from a stored attribute, else None (absent in older studies)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _first_line(value: Any) -> str | None:
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return value.strip().splitlines()[0]
+
+
+def _params(trial: FrozenTrial) -> LoaderParams | None:
+    stored = trial.user_attrs.get(PARAMS_ATTR) or trial.params
+    try:
+        return LoaderParams.from_dict(stored) if stored.get("batch_size") else None
+    except (TypeError, ValueError):
+        return None  # a trial that failed before its settings were complete
+
+
+def _duration(trial: FrozenTrial) -> float | None:
+    if trial.datetime_start is None or trial.datetime_complete is None:
+        return None
+    return (trial.datetime_complete - trial.datetime_start).total_seconds()
+
+
+def _report_trial(trial: FrozenTrial, status: TrialStatus) -> ReportTrial:
+    attrs = trial.user_attrs
+    measured = status in ("pareto", "dominated")
+    wait = _number(attrs.get(DATA_WAIT)) if status != "failed" else None
+    rss, gpu = _number(attrs.get(PEAK_RSS)), _number(attrs.get(PEAK_GPU))
+    bound: Bound | None = None
+    if wait is not None and measured:
+        bound = "input" if wait > INPUT_BOUND_THRESHOLD else "compute"
+    return ReportTrial(
+        number=trial.number,
+        status=status,
+        is_baseline=bool(attrs.get(BASELINE_ATTR, False)),
+        params=_params(trial),
+        throughput=trial.values[0] if measured and trial.values else None,
+        val_loss=trial.values[1] if measured and trial.values else None,
+        data_wait_fraction=wait if measured else None,
+        bound=bound,
+        peak_host_rss_bytes=int(rss) if rss is not None else None,
+        peak_gpu_bytes=int(gpu) if gpu is not None else None,
+        duration_s=_duration(trial),
+        failure_reason=attrs.get(FAILURE_REASON) if not measured else None,
+        failure_message=_first_line(attrs.get(FAILURE_MESSAGE)) if not measured else None,
+        failure_hint=_first_line(attrs.get(FAILURE_HINT)) if not measured else None,
+        hardware_class=attrs.get(HARDWARE_CLASS_ATTR),
+    )
+
+
+def hypervolume_history(trials: Sequence[FrozenTrial]) -> Hypervolume:
+    """Hypervolume of the feasible trials finished so far, after each finished trial.
+
+    The reference point is fixed for the given trials (see the module docstring), so the
+    history never decreases: each step only adds points.
+    """
+    from optuna._hypervolume import compute_hypervolume
+
+    ordered = sorted(trials, key=lambda t: t.number)
+    feasible = {
+        t.number
+        for t in _get_feasible_trials([t for t in ordered if t.state == TrialState.COMPLETE])
+    }
+    losses = [t.values[1] for t in ordered if t.number in feasible and math.isfinite(t.values[1])]
+    rule = (
+        "reference point: throughput 0 samples/s and val_loss = the worst feasible val_loss"
+        f" + {HV_LOSS_MARGIN:.0%} of its magnitude; area in (samples/s x val_loss) units,"
+        " computed as minimisation (-throughput, val_loss)"
+    )
+    if not losses:
+        return Hypervolume(0.0, None, rule, ())
+    worst = max(losses)
+    reference_loss = worst + HV_LOSS_MARGIN * abs(worst) if worst else HV_LOSS_MARGIN
+    reference = np.array([0.0, reference_loss])
+    points: list[list[float]] = []
+    history: list[HypervolumePoint] = []
+    elapsed = 0.0
+    for trial in ordered:
+        elapsed += _duration(trial) or 0.0
+        if trial.number in feasible:
+            point = [-trial.values[0], trial.values[1]]
+            if all(math.isfinite(v) for v in point) and point[0] < 0 and point[1] < reference_loss:
+                points.append(point)
+        volume = float(compute_hypervolume(np.array(points), reference)) if points else 0.0
+        history.append(HypervolumePoint(trial.number, elapsed, volume))
+    return Hypervolume(0.0, reference_loss, rule, tuple(history))
+
+
+def importances(
+    feasible: Sequence[FrozenTrial], directions: Sequence[optuna.study.StudyDirection]
+) -> tuple[Importances, ...]:
+    """Parameter importances for each objective, over the feasible completed trials only.
+
+    Optuna 5's default evaluator is PED-ANOVA, which handles the conditional parameters
+    (``prefetch_factor`` exists only with workers) and, given a ``target``, treats lower as
+    better: throughput is negated so that its top quantile is the fastest trials.
+    """
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+
+    targets: tuple[tuple[str, Callable[[FrozenTrial], float], str], ...] = (
+        (THROUGHPUT, lambda t: -t.values[0], "target = -throughput (PED-ANOVA minimises)"),
+        (VAL_LOSS, lambda t: t.values[1], "target = val_loss"),
+    )
+    varying = {
+        name
+        for name in {n for t in feasible for n in t.params}
+        if len({repr(t.params.get(name)) for t in feasible}) > 1
+    }
+    results = []
+    for objective, target, how in targets:
+        evaluator = PedAnovaImportanceEvaluator()
+        name = type(evaluator).__name__
+        if len(feasible) < 2 or not varying:
+            note = "not computable: needs at least 2 feasible trials whose parameters differ"
+            results.append(Importances(objective, name, (), note))
+            continue
+        # A throw-away in-memory study: the importance API reads whole studies, and
+        # infeasible trials' placeholder values must not count.
+        scratch = optuna.create_study(directions=list(directions))
+        scratch.add_trials(feasible)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                values = get_param_importances(scratch, evaluator=evaluator, target=target)
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:
+            note = f"not computable: {type(exc).__name__}: {_first_line(str(exc))}"
+            results.append(Importances(objective, name, (), note))
+            continue
+        pairs = tuple((k, float(v)) for k, v in values.items() if math.isfinite(v))
+        note = f"{name} (Optuna's default) over {len(feasible)} feasible trials; {how}"
+        results.append(Importances(objective, name, pairs, note))
+    return tuple(results)
+
+
+def throughput_grid(rows: Sequence[ReportTrial]) -> tuple[GridCell, ...]:
+    """Median throughput per (batch size, workers, prefetch), feasible trials only."""
+    groups: dict[tuple[int, int, int | None], list[float]] = defaultdict(list)
+    for row in rows:
+        if row.params is not None and row.throughput is not None:
+            p = row.params
+            groups[(p.batch_size, p.num_workers, p.prefetch_factor)].append(row.throughput)
+    return tuple(
+        GridCell(batch, workers, prefetch, median(values), len(values))
+        for (batch, workers, prefetch), values in sorted(
+            groups.items(), key=lambda item: (item[0][0], item[0][1], item[0][2] or 0)
+        )
+    )
+
+
+def memory_boundary(rows: Sequence[ReportTrial]) -> MemoryBoundary:
+    oom = [r for r in rows if r.failure_reason in OOM_REASONS]
+    smallest = min((r.params.batch_size for r in oom if r.params), default=None)
+    ok = [
+        r.params.batch_size
+        for r in rows
+        if r.params
+        and r.status in ("pareto", "dominated")
+        and (smallest is None or r.params.batch_size < smallest)
+    ]
+    return MemoryBoundary(tuple(r.number for r in oom), smallest, max(ok, default=None))
+
+
+def failure_groups(rows: Sequence[ReportTrial]) -> tuple[FailureGroup, ...]:
+    groups: dict[str, list[ReportTrial]] = defaultdict(list)
+    for row in rows:
+        if row.status in ("failed", "infeasible"):
+            groups[row.failure_reason or "unknown"].append(row)
+    return tuple(
+        FailureGroup(
+            reason=reason,
+            trials=tuple(r.number for r in members),
+            infeasible=tuple(r.number for r in members if r.status == "infeasible"),
+            message=next((r.failure_message for r in members if r.failure_message), None),
+            hint=next((r.failure_hint for r in members if r.failure_hint), None),
+        )
+        for reason, members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
+    )
+
+
+def hardware_groups(trials: Sequence[FrozenTrial]) -> tuple[HardwareGroup, ...]:
+    """Trials grouped by the hardware fingerprint they recorded (none for older trials)."""
+    groups: dict[str, tuple[str | None, dict[str, Any], list[int]]] = {}
+    for trial in trials:
+        details = trial.user_attrs.get(HARDWARE_ATTR)
+        if not isinstance(details, Mapping):
+            continue
+        key_class = trial.user_attrs.get(HARDWARE_CLASS_ATTR)
+        key = repr((key_class, sorted(details.items(), key=lambda kv: kv[0])))
+        groups.setdefault(key, (key_class, dict(details), []))[2].append(trial.number)
+    return tuple(
+        HardwareGroup(
+            hardware_class=str(key_class) if key_class is not None else None,
+            details=tuple((str(k), _show(v)) for k, v in details.items()),
+            trials=tuple(numbers),
+        )
+        for key_class, details, numbers in groups.values()
+    )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={_show(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_show(v) for v in value)
+    return str(value)

@@ -1,0 +1,628 @@
+"""Drawing the report: one self-contained HTML file from a `ReportData`.
+
+Nothing is computed here that a test would need to check; `loader_search.report` does that.
+The file works offline: plotly.js is embedded once, inline, and the page loads nothing else
+(no CDN, no MathJax, no fonts, no images), so it can be mailed or archived as is.
+The plotly.js bundle itself contains URL strings (map tiles for map traces, which this report
+never draws); the browser test checks that opening the file makes no request at all.
+
+When every plot has been drawn the page sets ``data-report-status="ok"`` on ``<body>``
+(``error: ...`` on a JavaScript error), which the browser test reads.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+from plotly.subplots import make_subplots
+
+from loader_search.report import ReportData, ReportTrial
+
+# Plot ids, in page order; the browser test expects each container to hold a drawn plot.
+PLOT_IDS = (
+    "plot-pareto",
+    "plot-hypervolume",
+    "plot-importances",
+    "plot-throughput-grid",
+    "plot-data-wait",
+    "plot-memory",
+)
+_TEMPLATE = "plotly_white"
+_COLORS = {
+    "pareto": "#1f77b4",
+    "dominated": "#9aa5b1",
+    "infeasible": "#ff7f0e",
+    "failed": "#d62728",
+    "baseline": "#2ca02c",
+    "recommended": "#9467bd",
+    "input": "#ff7f0e",
+    "compute": "#1f77b4",
+}
+# No plotly.com link, logo or "edit in Chart Studio" button: nothing that leaves the page.
+_PLOT_CONFIG = {"displaylogo": False, "showLink": False, "responsive": True, "topojsonURL": ""}
+_MIB = 1024 * 1024
+
+
+def render(data: ReportData) -> str:
+    """The whole report as one HTML document."""
+    figures = {
+        "plot-pareto": pareto_figure(data),
+        "plot-hypervolume": hypervolume_figure(data),
+        "plot-importances": importances_figure(data),
+        "plot-throughput-grid": throughput_grid_figure(data),
+        "plot-data-wait": data_wait_figure(data),
+        "plot-memory": memory_figure(data),
+    }
+    specs = {key: json.loads(fig.to_json()) for key, fig in figures.items()}
+    title = f"loader-search report: {data.study}"
+    sections = [
+        _header(data),
+        _recommendation(data),
+        _section(
+            "Pareto front: throughput against validation loss", "plot-pareto", _pareto_note(data)
+        ),
+        _section(
+            "Hypervolume history",
+            "plot-hypervolume",
+            f"Higher is better; it can only grow. {data.hypervolume.rule}"
+            + (
+                f" (here {data.hypervolume.reference_val_loss:.4g})."
+                if data.hypervolume.reference_val_loss is not None
+                else "."
+            ),
+        ),
+        _section(
+            "Parameter importances",
+            "plot-importances",
+            " ".join(f"{i.objective}: {i.note}." for i in data.importances),
+        ),
+        _section(
+            "Throughput by num_workers x prefetch_factor, for each batch size",
+            "plot-throughput-grid",
+            "Median samples/s of the feasible trials with those settings (others pooled);"
+            " the number of trials is in brackets.",
+        ),
+        _section(
+            "Data-wait fraction per trial",
+            "plot-data-wait",
+            "Share of the measured window the training loop spent waiting for the next batch."
+            f" Above {data.input_bound_threshold:.0%}: input-bound (the loader set the pace),"
+            " else compute-bound. A diagnostic, never the score.",
+        ),
+        _section("Peak memory against batch size", "plot-memory", _memory_note(data)),
+        _failures(data),
+        _hardware(data),
+    ]
+    payload = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
+    return _PAGE.format(
+        title=html.escape(title),
+        style=_STYLE,
+        plotlyjs=get_plotlyjs().replace("</script", "<\\/script"),
+        body="\n".join(sections),
+        figures=payload,
+        config=json.dumps(_PLOT_CONFIG),
+    )
+
+
+# --- figures ----------------------------------------------------------------------------
+
+
+def _label(row: ReportTrial) -> str:
+    parts = [f"trial #{row.number}" + (" (baseline)" if row.is_baseline else "")]
+    if row.params is not None:
+        parts.append(row.params.describe())
+    if row.throughput is not None and row.val_loss is not None:
+        parts.append(f"{row.throughput:,.0f} samples/s, val_loss {row.val_loss:.4f}")
+    if row.failure_reason:
+        parts.append(f"{row.status}: {row.failure_reason}")
+    if row.failure_message:
+        parts.append(html.escape(row.failure_message[:120]))
+    return "<br>".join(parts)
+
+
+def pareto_figure(data: ReportData) -> go.Figure:
+    """The front on top; below it, on their own axis (trial number), the trials that have no
+    objective values to plot: infeasible and failed."""
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        row_heights=[0.82, 0.18],
+        vertical_spacing=0.14,
+        subplot_titles=("", "not on the front: infeasible and failed trials, by trial number"),
+    )
+    measured = [t for t in data.trials if t.throughput is not None]
+    front = sorted((t for t in measured if t.status == "pareto"), key=lambda t: t.throughput or 0)
+    dominated = [t for t in measured if t.status == "dominated"]
+    _scatter(fig, dominated, "dominated", dict(color=_COLORS["dominated"], size=9))
+    fig.add_trace(
+        go.Scatter(
+            x=[t.throughput for t in front],
+            y=[t.val_loss for t in front],
+            mode="lines+markers",
+            line=dict(shape="hv", color=_COLORS["pareto"], dash="dot"),
+            marker=dict(color=_COLORS["pareto"], size=11),
+            name="Pareto-optimal",
+            text=[_label(t) for t in front],
+            hoverinfo="text",
+        ),
+        row=1,
+        col=1,
+    )
+    base = data.summary.baseline
+    if base is not None:
+        # At the baseline's median throughput: the one every speedup is stated against.
+        hover = (
+            f"baseline, trial #{base.number}: {base.throughput:,.0f} samples/s (median of the"
+            f" trials with its settings), val_loss {base.val_loss:.4f}"
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[base.throughput],
+                y=[base.val_loss],
+                mode="markers",
+                marker=dict(
+                    color=_COLORS["baseline"], size=16, symbol="square-open", line=dict(width=3)
+                ),
+                name="baseline",
+                text=[hover],
+                hoverinfo="text",
+            ),
+            row=1,
+            col=1,
+        )
+    rec = data.summary.recommended
+    if rec is not None:
+        point = data.trial(rec.point.number)
+        _scatter(
+            fig,
+            [point],
+            "recommended",
+            dict(color=_COLORS["recommended"], size=22, symbol="star-open", line=dict(width=3)),
+        )
+    for status, symbol in (("infeasible", "x"), ("failed", "triangle-down")):
+        rows = [t for t in data.trials if t.status == status]
+        fig.add_trace(
+            go.Scatter(
+                x=[t.number for t in rows],
+                y=[status] * len(rows),
+                mode="markers",
+                marker=dict(color=_COLORS[status], size=12, symbol=symbol),
+                name=f"{status} ({len(rows)})",
+                text=[_label(t) for t in rows],
+                hoverinfo="text",
+            ),
+            row=2,
+            col=1,
+        )
+    fig.update_xaxes(title_text="throughput (samples/s, higher is better)", row=1, col=1)
+    fig.update_yaxes(title_text="val_loss (lower is better)", row=1, col=1)
+    fig.update_xaxes(title_text="trial number", row=2, col=1)
+    fig.update_yaxes(type="category", categoryarray=["failed", "infeasible"], row=2, col=1)
+    fig.update_layout(height=620, template=_TEMPLATE, legend=dict(orientation="h", y=1.08))
+    return fig
+
+
+def _scatter(
+    fig: go.Figure, rows: Sequence[ReportTrial], name: str, marker: dict[str, Any]
+) -> None:
+    fig.add_trace(
+        go.Scatter(
+            x=[t.throughput for t in rows],
+            y=[t.val_loss for t in rows],
+            mode="markers",
+            marker=marker,
+            name=name,
+            text=[_label(t) for t in rows],
+            hoverinfo="text",
+        ),
+        row=1,
+        col=1,
+    )
+
+
+def hypervolume_figure(data: ReportData) -> go.Figure:
+    points = data.hypervolume.points
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("against trial number", "against time spent in trials")
+    )
+    common = dict(mode="lines+markers", line=dict(shape="hv", color=_COLORS["pareto"]))
+    fig.add_trace(
+        go.Scatter(
+            x=[p.number for p in points],
+            y=[p.hypervolume for p in points],
+            name="by trial",
+            **common,
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[p.elapsed_s / 60 for p in points],
+            y=[p.hypervolume for p in points],
+            name="by time",
+            **common,
+        ),
+        row=1,
+        col=2,
+    )
+    fig.update_xaxes(title_text="trial number", row=1, col=1)
+    fig.update_xaxes(
+        title_text="cumulative trial time (min), failed trials included", row=1, col=2
+    )
+    fig.update_yaxes(title_text="hypervolume", row=1, col=1)
+    fig.update_layout(height=380, template=_TEMPLATE, showlegend=False)
+    return fig
+
+
+def importances_figure(data: ReportData) -> go.Figure:
+    titles = [i.objective for i in data.importances] or ["importances"]
+    fig = make_subplots(rows=1, cols=max(1, len(titles)), subplot_titles=titles)
+    for col, item in enumerate(data.importances, start=1):
+        pairs = list(reversed(item.values))  # largest on top
+        fig.add_trace(
+            go.Bar(
+                x=[v for _, v in pairs],
+                y=[k for k, _ in pairs],
+                orientation="h",
+                marker_color=_COLORS["pareto"] if col == 1 else _COLORS["recommended"],
+                text=[f"{v:.2f}" for _, v in pairs],
+                textposition="auto",
+                name=item.objective,
+            ),
+            row=1,
+            col=col,
+        )
+        if not item.values:
+            _empty_note(fig, item.note, col)
+        fig.update_xaxes(title_text="importance (sums to 1)", range=[0, 1], row=1, col=col)
+    fig.update_layout(height=340, template=_TEMPLATE, showlegend=False)
+    return fig
+
+
+def _prefetch_label(prefetch: int | None) -> str:
+    return "no workers" if prefetch is None else f"prefetch {prefetch}"
+
+
+def throughput_grid_figure(data: ReportData) -> go.Figure:
+    batches = sorted({c.batch_size for c in data.throughput_grid})
+    fig = make_subplots(
+        rows=1,
+        cols=max(1, len(batches)),
+        subplot_titles=[f"batch_size {b}" for b in batches] or ["no feasible trial"],
+        horizontal_spacing=0.06,
+    )
+    if not batches:
+        _empty_note(fig, "no feasible trial yet", 1)
+    top = max((c.throughput for c in data.throughput_grid), default=1.0)
+    prefetches = sorted(
+        {c.prefetch_factor for c in data.throughput_grid}, key=lambda p: -1 if p is None else p
+    )
+    workers = sorted({c.num_workers for c in data.throughput_grid})
+    x_labels = [_prefetch_label(p) for p in prefetches]
+    for col, batch in enumerate(batches, start=1):
+        cells = {
+            (c.num_workers, c.prefetch_factor): c
+            for c in data.throughput_grid
+            if c.batch_size == batch
+        }
+        z = [[_cell(cells, w, p, "value") for p in prefetches] for w in workers]
+        text = [[_cell(cells, w, p, "text") for p in prefetches] for w in workers]
+        fig.add_trace(
+            go.Heatmap(
+                x=x_labels,
+                y=[f"{w} workers" for w in workers],
+                z=z,
+                text=text,
+                texttemplate="%{text}",
+                zmin=0,
+                zmax=top,
+                colorscale="Viridis",
+                showscale=col == len(batches),
+                colorbar=dict(title=dict(text="samples/s")),
+                hovertemplate="%{y}, %{x}: %{text} samples/s<extra></extra>",
+            ),
+            row=1,
+            col=col,
+        )
+    fig.update_xaxes(type="category", tickangle=-45)
+    fig.update_yaxes(type="category")
+    fig.update_layout(height=360, template=_TEMPLATE)
+    return fig
+
+
+def _cell(
+    cells: dict[tuple[int, int | None], Any], workers: int, prefetch: int | None, what: str
+) -> Any:
+    cell = cells.get((workers, prefetch))
+    if cell is None:
+        return None if what == "value" else ""
+    if what == "value":
+        return cell.throughput
+    return f"{cell.throughput:,.0f} ({cell.n_trials})"
+
+
+def data_wait_figure(data: ReportData) -> go.Figure:
+    fig = go.Figure()
+    for bound in ("input", "compute"):
+        rows = [t for t in data.trials if t.bound == bound]
+        fig.add_trace(
+            go.Bar(
+                x=[t.number for t in rows],
+                y=[t.data_wait_fraction for t in rows],
+                name=f"{bound}-bound ({len(rows)})",
+                marker_color=_COLORS[bound],
+                text=[_label(t) for t in rows],
+                hoverinfo="text",
+                textposition="none",
+            )
+        )
+    fig.add_hline(
+        y=data.input_bound_threshold,
+        line=dict(dash="dash", color="#555"),
+        annotation_text=f"input-bound above {data.input_bound_threshold:.0%}",
+    )
+    fig.update_xaxes(title_text="trial number", dtick=1)
+    fig.update_yaxes(title_text="data-wait fraction", range=[0, 1])
+    fig.update_layout(height=340, template=_TEMPLATE, legend=dict(orientation="h", y=1.12))
+    return fig
+
+
+def memory_figure(data: ReportData) -> go.Figure:
+    """Peak memory by batch size; trials without a memory measurement (failed or infeasible)
+    sit on the batch-size axis with their own symbol; the out-of-memory boundary is shaded."""
+    fig = go.Figure()
+    with_params = [t for t in data.trials if t.params is not None]
+    for status, symbol in (
+        ("pareto", "circle"),
+        ("dominated", "circle"),
+        ("infeasible", "x"),
+        ("failed", "triangle-down"),
+    ):
+        rows = [t for t in with_params if t.status == status]
+        if not rows:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[t.params.batch_size for t in rows if t.params],
+                y=[(t.peak_host_rss_bytes or 0) / _MIB for t in rows],
+                mode="markers",
+                marker=dict(color=_COLORS[status], size=11, symbol=symbol),
+                name=f"host RSS, {status}",
+                text=[_label(t) for t in rows],
+                hoverinfo="text",
+            )
+        )
+    gpu = [t for t in with_params if t.peak_gpu_bytes is not None]
+    if gpu:
+        fig.add_trace(
+            go.Scatter(
+                x=[t.params.batch_size for t in gpu if t.params],
+                y=[(t.peak_gpu_bytes or 0) / _MIB for t in gpu],
+                mode="markers",
+                marker=dict(color="#17becf", size=10, symbol="diamond"),
+                name="GPU memory",
+                text=[_label(t) for t in gpu],
+                hoverinfo="text",
+            )
+        )
+    if data.memory.smallest_oom_batch_size is not None:
+        fig.add_vline(
+            x=data.memory.smallest_oom_batch_size,
+            line=dict(color=_COLORS["failed"], dash="dash"),
+            annotation_text=f"out of memory from batch {data.memory.smallest_oom_batch_size}",
+        )
+    if not with_params:
+        _empty_note(fig, "no finished trial yet", None)
+    fig.update_xaxes(title_text="batch size", type="log")
+    fig.update_yaxes(title_text="peak memory (MiB)", rangemode="tozero")
+    fig.update_layout(height=380, template=_TEMPLATE, legend=dict(orientation="h", y=1.12))
+    return fig
+
+
+def _empty_note(fig: go.Figure, text: str, col: int | None) -> None:
+    ref = "" if col in (None, 1) else str(col)
+    fig.add_annotation(
+        text=html.escape(text),
+        xref=f"x{ref} domain",
+        yref=f"y{ref} domain",
+        x=0.5,
+        y=0.5,
+        showarrow=False,
+    )
+
+
+# --- HTML -------------------------------------------------------------------------------
+
+
+def _section(title: str, plot_id: str, note: str) -> str:
+    return (
+        f'<section><h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>'
+        f'<div class="plot" id="{plot_id}"></div></section>'
+    )
+
+
+def _header(data: ReportData) -> str:
+    s = data.summary
+    counts = (
+        f"{s.n_complete} complete (feasible), {s.n_infeasible} infeasible, {s.n_failed} failed"
+        + (f", {s.n_running} running" if s.n_running else "")
+    )
+    return (
+        f"<header><h1>{html.escape(data.study)}</h1>"
+        f'<p class="note">loader-search report, generated {html.escape(data.generated_at)}.'
+        f" Trials: {html.escape(counts)}. Objectives: {html.escape(data.metric_names[0])}"
+        f" (maximised), {html.escape(data.metric_names[1])} (minimised).</p></header>"
+    )
+
+
+def _recommendation(data: ReportData) -> str:
+    s = data.summary
+    base, rec = s.baseline, s.recommended
+    rows = []
+    if base is not None:
+        measured = ""
+        if base.measurements:
+            measured = f" (median of {len(base.measurements)} trials)"
+        rows.append(
+            f"<tr><th>Baseline</th><td>trial #{base.number},"
+            f" {html.escape(base.params.describe())}: {base.throughput:,.0f} samples/s{measured},"
+            f" val_loss {base.val_loss:.4f}</td></tr>"
+        )
+    if rec is None:
+        body = "<p>No completed feasible trial yet: nothing to recommend.</p>"
+        return f"<section><h2>Recommendation</h2>{body}</section>"
+    p = rec.point
+    verdict = (
+        f"trial #{p.number}, {html.escape(p.params.describe())}: {p.throughput:,.0f} samples/s"
+    )
+    if p.is_baseline:
+        verdict = (
+            f"keep the baseline (trial #{p.number}): no faster setting within the loss tolerance"
+            " was found; try more trials"
+        )
+    rows.append(f"<tr><th>Recommended</th><td>{verdict}</td></tr>")
+    if rec.speedup_vs_baseline is not None:
+        rows.append(
+            f"<tr><th>Speedup</th><td><b>{rec.speedup_vs_baseline:.2f}x</b> the baseline</td></tr>"
+        )
+    if rec.val_loss_change_vs_baseline is not None:
+        rows.append(
+            f"<tr><th>val_loss</th><td>{p.val_loss:.4f}"
+            f" ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)</td></tr>"
+        )
+    rows.append(f"<tr><th>Rule</th><td>{html.escape(rec.rule)}</td></tr>")
+    return (
+        '<section id="recommendation"><h2>Recommendation</h2>'
+        f'<table class="kv">{"".join(rows)}</table>'
+        f"<pre><code>{html.escape(rec.snippet)}</code></pre></section>"
+    )
+
+
+def _pareto_note(data: ReportData) -> str:
+    n = sum(t.status == "pareto" for t in data.trials)
+    return (
+        f"{n} Pareto-optimal trial(s) (Optuna's best_trials over the feasible trials)."
+        " Dominated trials in grey; the baseline boxed, the recommendation starred. Infeasible"
+        " and failed trials have no measured objective values (an infeasible trial's stored"
+        " values are placeholders), so they are listed below the front instead."
+    )
+
+
+def _memory_note(data: ReportData) -> str:
+    m = data.memory
+    note = (
+        "Peak resident memory of the training process and its loader workers (an upper bound:"
+        " pages shared after fork count once per process); GPU memory on CUDA."
+    )
+    if m.smallest_oom_batch_size is None:
+        return note + " No trial ran out of memory."
+    largest = (
+        f"; largest batch size that ran: {m.largest_ok_batch_size}"
+        if m.largest_ok_batch_size
+        else ""
+    )
+    return (
+        note + f" Out of memory from batch size {m.smallest_oom_batch_size}"
+        f" (trials {', '.join(f'#{n}' for n in m.oom_trials)}){largest}."
+    )
+
+
+def _failures(data: ReportData) -> str:
+    if not data.failures:
+        return "<section><h2>Failures</h2><p>No trial failed or was infeasible.</p></section>"
+    rows = "".join(
+        f"<tr><td>{html.escape(g.reason)}</td><td>{len(g.trials)}</td>"
+        f"<td>{', '.join(f'#{n}' for n in g.trials)}</td>"
+        f"<td>{', '.join(f'#{n}' for n in g.infeasible) or '-'}</td>"
+        f"<td>{html.escape(g.message or '')}</td><td>{html.escape(g.hint or '')}</td></tr>"
+        for g in data.failures
+    )
+    return (
+        '<section id="failures"><h2>Failures, by reason</h2><table class="grid"><tr><th>reason'
+        "</th><th>trials</th><th>which</th><th>of them infeasible</th><th>first message</th>"
+        f"<th>hint</th></tr>{rows}</table></section>"
+    )
+
+
+def _hardware(data: ReportData) -> str:
+    parts = []
+    for group in data.hardware:
+        details = "".join(
+            f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+            for k, v in group.details
+        )
+        parts.append(
+            f"<h3>{html.escape(group.hardware_class or 'unnamed hardware')}:"
+            f' {len(group.trials)} trial(s)</h3><table class="kv">{details}</table>'
+        )
+    if not parts:
+        parts.append(
+            "<p>The trials carry no hardware fingerprint (recorded by newer versions).</p>"
+        )
+    if data.environment:
+        env = "".join(
+            f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+            for k, v in data.environment
+        )
+        parts.append(f'<h3>Recorded with the study</h3><table class="kv">{env}</table>')
+    return f'<section id="hardware"><h2>Hardware</h2>{"".join(parts)}</section>'
+
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto;
+       max-width: 1280px; padding: 0 24px 48px; color: #1d2733; }
+h1 { margin: 24px 0 4px; } h2 { margin: 32px 0 4px; border-bottom: 1px solid #dde3ea; }
+.note { color: #52606d; margin: 4px 0 8px; }
+.plot { min-height: 300px; }
+pre { background: #f4f6f8; padding: 12px 16px; border-radius: 6px; overflow-x: auto; }
+table { border-collapse: collapse; } th, td { text-align: left; padding: 3px 10px; }
+table.grid td, table.grid th { border: 1px solid #dde3ea; }
+table.kv th { color: #52606d; font-weight: 600; }
+"""
+
+# Errors are collected from the first script on, before plotly.js is even parsed.
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>{title}</title>
+<script>
+window.__reportErrors = [];
+window.addEventListener("error", function (e) {{
+  window.__reportErrors.push(String(e.message));
+}});
+</script>
+<style>{style}</style>
+<script>{plotlyjs}</script>
+</head>
+<body data-report-status="loading">
+{body}
+<script type="application/json" id="report-figures">{figures}</script>
+<script>
+(function () {{
+  var body = document.body;
+  function fail(error) {{
+    body.setAttribute("data-report-status", "error: " + String(error && error.message || error));
+  }}
+  try {{
+    var figures = JSON.parse(document.getElementById("report-figures").textContent);
+    var config = {config};
+    var drawn = Object.keys(figures).map(function (id) {{
+      return Plotly.newPlot(id, figures[id].data, figures[id].layout, config);
+    }});
+    Promise.all(drawn).then(function () {{
+      if (window.__reportErrors.length) {{ fail(window.__reportErrors.join("; ")); }}
+      else {{ body.setAttribute("data-report-status", "ok"); }}
+    }}, fail);
+  }} catch (error) {{ fail(error); }}
+}})();
+</script>
+</body>
+</html>
+"""

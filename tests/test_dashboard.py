@@ -1,0 +1,141 @@
+"""``loader-search dashboard``: optuna-dashboard started by the CLI, checked over HTTP.
+
+The study holds real training trials plus one infeasible trial whose placeholder values would
+dominate every real one: plain optuna-dashboard 0.21 lists it as Pareto-optimal; ours must not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from loader_search.recommend import METRIC_NAMES
+from tests.conftest import ROOT, run_cli
+from tests.test_report import build_study
+
+pytest.importorskip("optuna_dashboard", reason="pip install 'loader-search[dashboard]'")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, optuna.Study]:
+    return build_study(tmp_path_factory.mktemp("dashboard"), trials=2)
+
+
+def _read_line(process: subprocess.Popen[str], timeout_s: float) -> str:
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    if not ready:
+        raise AssertionError(f"the dashboard printed nothing in {timeout_s} s")
+    return process.stdout.readline()
+
+
+@pytest.fixture
+def server(study: tuple[str, optuna.Study]) -> Iterator[tuple[str, subprocess.Popen[str], str]]:
+    """The CLI's dashboard on a free port: (base URL, process, the line it printed)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loader_search", "dashboard", "--storage", study[0], "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = _read_line(process, 60)
+        found = re.search(r"(http://127\.0\.0\.1:\d+)/dashboard/", line)
+        assert found, line + (process.stderr.read() if process.poll() is not None else "")
+        yield found.group(1), process, line
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_dashboard_serves_the_study_without_infeasible_pareto_trials(
+    study: tuple[str, optuna.Study], server: tuple[str, subprocess.Popen[str], str]
+) -> None:
+    url, process, line = server
+    real = study[1]
+    assert study[0] in line and "Ctrl-C" in line  # where it serves from, and how to stop it
+    studies = _get(f"{url}/api/studies")["study_summaries"]
+    assert [s["study_name"] for s in studies] == ["tiny"]
+    assert studies[0]["directions"] == ["maximize", "minimize"]
+    detail = _get(f"{url}/api/studies/{studies[0]['study_id']}")
+    assert detail["objective_names"] == list(METRIC_NAMES)
+    shown_attrs = {a["key"] for a in detail["union_user_attrs"]}
+    assert {"throughput_samples_per_s", "val_loss", "data_wait_fraction"} <= shown_attrs
+
+    infeasible = real.trials[-2].number
+    best = {t["number"] for t in detail["best_trials"]}
+    assert infeasible not in best
+    assert best == {t.number for t in real.best_trials}
+    # The browser's own Pareto plot splits trials by this list: the infeasible one is marked.
+    constraints = {t["number"]: t["constraints"] for t in detail["trials"]}
+    assert constraints[infeasible] == [1.0]
+    assert all(v <= 0 for n, c in constraints.items() if n != infeasible for v in c)
+
+    # Without our fix the dashboard would list it (its values dominate every real trial).
+    from optuna_dashboard._pareto_front import get_pareto_front_trials
+
+    plain = get_pareto_front_trials(real.trials, real.directions)
+    assert infeasible in {t.number for t in plain}
+
+    process.send_signal(signal.SIGINT)  # Ctrl-C stops it cleanly
+    assert process.wait(timeout=30) == 0
+    assert process.stdout is not None and "Dashboard stopped." in process.stdout.read()
+
+
+def test_dashboard_binds_to_localhost_by_default(
+    server: tuple[str, subprocess.Popen[str], str],
+) -> None:
+    url, _, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    addresses = {
+        info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    }
+    for address in addresses - {"127.0.0.1"}:
+        with socket.socket() as probe:
+            probe.settimeout(2)
+            assert probe.connect_ex((address, port)) != 0, f"reachable on {address}"
+
+
+def test_dashboard_port_in_use_is_a_user_error(
+    study: tuple[str, optuna.Study], tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("dashboard", "--storage", study[0], "--port", str(port))
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_dashboard_needs_an_existing_database(tmp_path: Path) -> None:
+    missing = tmp_path / "none.db"
+    started = time.monotonic()
+    result = run_cli("dashboard", "--storage", f"sqlite:///{missing}", "--port", "0")
+    assert result.returncode == 2 and "no database file" in result.stderr
+    assert not missing.exists()
+    assert time.monotonic() - started < 60
