@@ -22,6 +22,8 @@ _EXPORTS = {
     "load_config": "loader_search.config",
     "StudySummary": "loader_search.recommend",
     "run_study": "loader_search.runner",
+    "init_study": "loader_search.runner",
+    "run_worker": "loader_search.runner",
     "TrainingSettings": "loader_search.params",
     "TrialResult": "loader_search.trial",
     "run_trial": "loader_search.trial",
@@ -43,9 +45,11 @@ __all__ = [
     "Workload",
     "__version__",
     "dataloader_snippet",
+    "init_study",
     "load_config",
     "run_study",
     "run_trial",
+    "run_worker",
 ]
 
 if TYPE_CHECKING:
@@ -53,7 +57,7 @@ if TYPE_CHECKING:
     from loader_search.errors import UserError
     from loader_search.params import LoaderParams, dataloader_snippet
     from loader_search.recommend import StudySummary
-    from loader_search.runner import run_study
+    from loader_search.runner import init_study, run_study, run_worker
     from loader_search.space import CpuRange, IntRange, SearchSpace
     from loader_search.trial import TrialResult, run_trial
     from loader_search.workloads import Workload

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
+import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -61,6 +63,52 @@ StorageOption = Annotated[
         show_default=False,
     ),
 ]
+
+
+CpusOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cpus",
+        help=(
+            "Pin this process's trials to these CPUs (e.g. 0-7 or 0,2,4). With --gpu on a GPU"
+            " machine, lets pinned workers with disjoint sets train side by side; otherwise"
+            " one trial runs per host at a time."
+        ),
+        show_default=False,
+    ),
+]
+GpuOption = Annotated[
+    int | None,
+    typer.Option("--gpu", help="Pin this process's trials to this GPU index.", show_default=False),
+]
+MixedOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-mixed-hardware",
+        help=(
+            "Join a study whose first trials ran on another hardware class; results are then"
+            " reported per class."
+        ),
+    ),
+]
+
+
+def _parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    """``0-3,8`` -> (0, 1, 2, 3, 8)."""
+    if text is None:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise UserError(
+            f"--cpus {text!r}: use CPU numbers and ranges, e.g. 0-3 or 0,2,4"
+        ) from None
+    if not cpus or min(cpus) < 0:
+        raise UserError(f"--cpus {text!r}: use CPU numbers and ranges, e.g. 0-3 or 0,2,4")
+    return tuple(sorted(cpus))
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -136,23 +184,143 @@ def run(
             help="Stop starting new trials after this many seconds. Default: \\[study] timeout_s.",
         ),
     ] = None,
+    cpus: CpusOption = None,
+    gpu: GpuOption = None,
+    allow_mixed_hardware: MixedOption = False,
 ) -> None:
     """Run (or continue) a study: every trial trains the workload with one loader setting.
 
     The first trial of a new study is the baseline (the config's batch size, num_workers=0).
-    Running again with the same study name continues it until its trial budget is used.
+    Running again with the same study name continues it until its trial budget is used;
+    `loader-search worker` processes on other machines can join it meanwhile.
     """
     from loader_search.config import load_config
 
     cfg = load_config(config).with_overrides(name=study_name, timeout_s=timeout)
+    pinned = _parse_cpus(cpus)
     from loader_search.runner import run_study  # torch: only once the config is known good
 
     reporter = RichReporter(console)
     try:
-        summary = run_study(cfg, storage=storage, n_trials=n_trials, reporter=reporter)
+        summary = run_study(
+            cfg,
+            storage=storage,
+            n_trials=n_trials,
+            reporter=reporter,
+            cpus=pinned,
+            gpu=gpu,
+            allow_mixed_hardware=allow_mixed_hardware,
+        )
     finally:
         reporter.close()
     print_summary(summary)
+
+
+@app.command()
+@_reports_errors
+def init(
+    config: Annotated[Path, typer.Argument(help="Study config file (TOML).")],
+    storage: StorageOption = None,
+    study_name: Annotated[
+        str | None,
+        typer.Option("--study-name", help="Study name. Default: as for `run`."),
+    ] = None,
+    n_trials: Annotated[
+        int | None,
+        typer.Option(
+            "--n-trials",
+            help="Total trials of the study (shared by all workers). Default: \\[study] trials.",
+        ),
+    ] = None,
+) -> None:
+    """Create the schema and the study, run nothing: then start `worker`s on any machine.
+
+    Safe to repeat: an existing study is continued (its budget updated with --n-trials).
+    """
+    from loader_search.config import load_config
+
+    cfg = load_config(config).with_overrides(name=study_name)
+    from loader_search.runner import init_study
+
+    reporter = RichReporter(console)
+    try:
+        info = init_study(cfg, storage=storage, n_trials=n_trials, reporter=reporter)
+    finally:
+        reporter.close()
+    verb = "Created" if info.created else "Updated"
+    console.print(
+        f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}:"
+        f" {info.finished}/{info.budget} trials done. Start workers with\n"
+        f"  loader-search worker {escape(info.name)} --storage URL"
+    )
+    for note in info.notes:
+        console.print(f"  [yellow]note:[/] {escape(note)}")
+
+
+@app.command()
+@_reports_errors
+def worker(
+    study: Annotated[str, typer.Argument(help="Name of an existing study to work on.")],
+    storage: StorageOption = None,
+    n_trials: Annotated[
+        int | None,
+        typer.Option(
+            "--n-trials",
+            help="Run at most this many trials here. Default: until the study's budget is used.",
+            show_default=False,
+        ),
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            help="Stop starting new trials after this many seconds.",
+            show_default=False,
+        ),
+    ] = None,
+    cpus: CpusOption = None,
+    gpu: GpuOption = None,
+    allow_mixed_hardware: MixedOption = False,
+) -> None:
+    """Join a study created by `run` (on this or another machine) and run its trials.
+
+    The study's config and trial budget come from the database: start as many workers as
+    you like, on as many machines; together they run exactly the budget. A trial whose
+    worker dies is failed after the study's grace period and retried with the same settings.
+    Ctrl-C (or SIGTERM) ends the running trial as interrupted and exits.
+    """
+    from loader_search.runner import run_worker
+
+    reporter = RichReporter(console)
+    try:
+        with _sigterm_as_interrupt():
+            summary = run_worker(
+                study,
+                storage=storage,
+                n_trials=n_trials,
+                timeout_s=timeout,
+                reporter=reporter,
+                cpus=_parse_cpus(cpus),
+                gpu=gpu,
+                allow_mixed_hardware=allow_mixed_hardware,
+            )
+    finally:
+        reporter.close()
+    print_summary(summary)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """`docker stop` and schedulers send SIGTERM: end the running trial as on Ctrl-C."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @app.command()
@@ -171,7 +339,7 @@ def best(
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
     from loader_search.config import StudyConfig
-    from loader_search.recommend import TOLERANCE_ATTR, summarize
+    from loader_search.recommend import TOLERANCE_ATTR, hardware_classes, summarize
     from loader_search.storage import open_storage, resolve_storage_url
 
     if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
@@ -182,11 +350,179 @@ def best(
     if tolerance is None:
         default = StudyConfig().loss_tolerance
         tolerance = float(loaded.user_attrs.get(TOLERANCE_ATTR, default))
+    classes = hardware_classes(loaded)
+    if len(classes) > 1:
+        # Throughputs from different machines never compare: one summary per class.
+        summaries = [summarize(loaded, tolerance, key) for key in classes]
+        if as_json:
+            print(json.dumps({"hardware_classes": [s.as_dict() for s in summaries]}, indent=2))
+            return
+        for summary in summaries:
+            console.rule(f"hardware class {summary.hardware_class}")
+            print_summary(summary)
+        return
     summary = summarize(loaded, tolerance)
     if as_json:
         print(json.dumps(summary.as_dict(), indent=2))
     else:
         print_summary(summary)
+
+
+REPORT_FORMATS = ("html", "json")
+
+
+@app.command()
+@_reports_errors
+def report(
+    study: Annotated[str, typer.Argument(help="Study name (see `loader-search studies`).")],
+    storage: StorageOption = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help=(
+                "File to write; '-' for standard output. Default: STUDY-report.html for html,"
+                " standard output for json."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    fmt: Annotated[str, typer.Option("--format", help="html or json.")] = "html",
+    loss_tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--loss-tolerance",
+            help="Relative val-loss slack for the recommendation. Default: the study's (0.05).",
+        ),
+    ] = None,
+    hardware_class: Annotated[
+        str | None,
+        typer.Option(
+            "--hardware-class",
+            help="For a study run on several machines: report the trials of this class.",
+        ),
+    ] = None,
+) -> None:
+    """Write a study's report: one HTML file that works offline (or its data as JSON).
+
+    Pareto front, recommendation, hypervolume history, parameter importances, throughput by
+    workers x prefetch, data-wait, memory, failures and hardware. The JSON holds the same
+    data, with `best --json`'s output under "summary".
+    """
+    from loader_search.config import StudyConfig
+    from loader_search.recommend import TOLERANCE_ATTR, hardware_classes
+    from loader_search.storage import open_storage, resolve_storage_url
+
+    if fmt not in REPORT_FORMATS:
+        raise UserError(f"--format {fmt!r}: use html or json")
+    if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
+        raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
+    if output is None and fmt == "html":
+        output = Path(f"{study}-report.html")
+    to_stdout = output is None or str(output) == "-"
+    if output is not None and not to_stdout:
+        _check_writable(output)
+    url = resolve_storage_url(storage)
+    loaded = _load_study(open_storage(url, must_exist=True), study, url)
+    tolerance = loss_tolerance
+    if tolerance is None:
+        default = StudyConfig().loss_tolerance
+        tolerance = float(loaded.user_attrs.get(TOLERANCE_ATTR, default))
+    classes = hardware_classes(loaded)
+    if hardware_class is not None and hardware_class not in classes:
+        raise UserError(
+            f"--hardware-class {hardware_class!r}: study {study!r} has no trials of it"
+            f" (its classes: {', '.join(classes) or 'none recorded'})"
+        )
+    if hardware_class is None and len(classes) > 1:
+        raise UserError(
+            f"study {study!r} ran on several hardware classes ({', '.join(classes)}) whose"
+            " throughputs do not compare: pick one with --hardware-class"
+        )
+
+    import optuna
+
+    from loader_search.report import collect
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created" lines
+    try:
+        data = collect(loaded, tolerance, hardware_class)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    if fmt == "json":
+        text = json.dumps(data.as_dict(), indent=2) + "\n"
+    else:
+        from loader_search.report_html import render
+
+        text = render(data)
+    if to_stdout:
+        sys.stdout.write(text)
+        return
+    assert output is not None
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the report to {str(output)!r}: {exc.strerror or exc}; pick another -o"
+        ) from None
+    console.print(escape(f"Report of {study} written to {output}"))
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before the (slow) report is computed, not after."""
+    if path.is_dir():
+        raise UserError(f"-o {str(path)!r} is a directory: give a file name, e.g. report.html")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise UserError(
+            f"-o {str(path)!r}: folder {str(folder)!r} does not exist; create it first"
+        )
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"-o {str(path)!r} is not writable: pick another path")
+
+
+@app.command()
+@_reports_errors
+def dashboard(
+    storage: StorageOption = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host", help="Address to listen on; 0.0.0.0 exposes it to the network (no login)."
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", help="Port to listen on; 0 picks a free one.")
+    ] = 8080,
+) -> None:
+    """Start optuna-dashboard on the studies' storage (Ctrl-C to stop).
+
+    Objective names and every measured trial attribute are shown; infeasible trials are never
+    on its Pareto front. On a remote machine: ssh -L 8080:127.0.0.1:8080 HOST, then open
+    http://127.0.0.1:8080/dashboard/ locally.
+    """
+    from loader_search.dashboard import serve
+    from loader_search.storage import open_storage, resolve_storage_url
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port}: must be between 1 and 65535 (0: any free port)")
+    url = resolve_storage_url(storage)
+    rdb = open_storage(url, must_exist=True)
+
+    def ready(address: str) -> None:
+        console.print(
+            escape(f"Dashboard of {mask_url(url)} at {address} (Ctrl-C to stop)"), soft_wrap=True
+        )
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            console.print(
+                f"[yellow]note:[/] listening on {escape(host)}: anyone who can reach this"
+                " machine can see and edit the studies (the dashboard has no login)"
+            )
+
+    serve(rdb, host, port, on_ready=ready)
+    console.print("Dashboard stopped.")
 
 
 @app.command()
@@ -222,6 +558,53 @@ def studies(storage: StorageOption = None) -> None:
             f"{best_tp:,.0f}" if best_tp is not None else "-",
         )
     console.print(table)
+
+
+_VERDICT_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+@app.command()
+@_reports_errors
+def doctor(
+    config: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Study config (TOML): check its device, space and limits too.",
+            show_default=False,
+        ),
+    ] = None,
+    storage: StorageOption = None,
+) -> None:
+    """Check what a search depends on here: device and CUDA, CPUs, memory, /dev/shm against
+    the space's largest batches in flight, the start method, and the storage.
+
+    Exits 1 when a check fails, 0 otherwise (warnings included).
+    """
+    from loader_search.config import load_config
+
+    cfg = load_config(config) if config is not None else None
+    from loader_search.doctor import diagnose  # torch: only once the config is known good
+    from loader_search.workloads import load_workload
+
+    workload = None
+    if cfg is not None:
+        with console.status(escape(f"building workload {cfg.workload}") + " ..."):
+            workload = load_workload(cfg.workload, cfg.workload_options)
+    checks = diagnose(cfg, storage, workload)
+    table = Table(title="loader-search doctor")
+    for column in ("check", "verdict", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    for check in checks:
+        style = _VERDICT_STYLE[check.verdict]
+        table.add_row(
+            escape(check.name),
+            f"[{style}]{check.verdict}[/]",
+            escape(check.detail),
+            escape(check.fix),
+        )
+    console.print(table)
+    if any(check.verdict == "fail" for check in checks):
+        raise typer.Exit(1)
 
 
 def _load_study(storage: Any, name: str, url: str) -> Any:
@@ -283,7 +666,7 @@ class RichReporter:
         self.console.print(
             f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}\n"
             f"  workload: {escape(info.workload)}\n"
-            f"  device: {info.device}, {info.usable_cpus} usable CPU(s);"
+            f"  hardware: {escape(info.device)} (class {info.hardware_class});"
             f" {info.finished}/{info.budget} trials done"
         )
         for note in info.notes:
@@ -310,11 +693,14 @@ class RichReporter:
                 f" {event.val_loss:.4f}  {event.duration_s:4.1f}s  {settings}"
             )
         else:
+            label = "[yellow]infeasible[/]" if event.state == "infeasible" else "[red]failed[/]"
             self.console.print(
-                f"  #{event.number:<3} [red]failed[/] ({event.duration_s:.1f}s) {settings}:"
+                f"  #{event.number:<3} {label} ({event.duration_s:.1f}s) {settings}:"
                 f" {escape(event.failure or '')}",
                 soft_wrap=True,
             )
+            if event.hint:
+                self.console.print(f"       [dim]hint: {escape(event.hint)}[/]", soft_wrap=True)
         if self.task is not None:
             best = (
                 f"Pareto {event.pareto_size} | best {event.best_throughput:,.0f} samples/s"
@@ -323,6 +709,9 @@ class RichReporter:
                 else f"Pareto {event.pareto_size}"
             )
             self.progress.update(self.task, completed=event.finished, best=best, running="")
+
+    def warning(self, what: str) -> None:
+        self.console.print(f"  [yellow]warning:[/] {escape(what)}", soft_wrap=True)
 
     def close(self) -> None:
         self._stop_status()
@@ -333,6 +722,8 @@ def print_summary(summary: StudySummary) -> None:
     """The Pareto front as a table, then the recommendation as paste-ready code."""
     out = console
     trials = f"{summary.n_complete} complete, {summary.n_failed} failed"
+    if summary.n_infeasible:
+        trials += f", {summary.n_infeasible} infeasible"
     if summary.n_running:
         trials += f", {summary.n_running} running"
     if not summary.pareto:

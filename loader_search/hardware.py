@@ -116,3 +116,18 @@ def collect(device_type: str, usable_cpus: int, gpu_count: int | None = None) ->
         shm_bytes=shm_bytes(),
         python_version=platform.python_version(),
     )
+
+
+def gpu_count() -> int:
+    """GPUs on this machine, without starting CUDA: ``nvidia-smi -L``, else torch's count
+    (NVML-based), else 0."""
+    exe = shutil.which("nvidia-smi")
+    if exe is not None:
+        try:
+            out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10)
+            return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,78 +1,163 @@
-"""The Optuna adapter: one Optuna trial = suggest settings, run a real training, record it."""
+"""The Optuna adapter: what a trial stores, and how an outcome becomes a trial state.
+
+A trial is *complete* with ``(throughput, val_loss)`` when it trained; *complete but
+infeasible* when its settings cannot work here (out of memory, diverged): it gets placeholder
+values ``(0, inf)`` and a positive ``trial.set_constraint`` value, so samplers learn to avoid
+that region (Optuna ignores FAIL trials and would propose it again) and ``best_trials`` drops
+it; *failed* for anything else (a crash in user code, a hang, a killed loader worker).
+Every failure stores its reason, a one-line message, a hint and the traceback's tail.
+
+Constraints are set only after the trial ran: a trial that is retried after its worker died
+inherits the dead trial's system attributes, constraints included.
+"""
 
 from __future__ import annotations
 
-import traceback
-import warnings
-from collections.abc import Callable
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import optuna
-import torch
+from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.errors import TrainingDiverged
-from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.recommend import BASELINE_ATTR, PARAMS_ATTR
-from loader_search.space import ResolvedSpace
-from loader_search.trial import run_trial
-from loader_search.workloads import Workload
+from loader_search.isolation import HOST_OOM, INTERRUPTED, TrialFailure, TrialOutcome
+from loader_search.params import LoaderParams
+from loader_search.recommend import HARDWARE_CLASS_ATTR, PARAMS_ATTR
+from loader_search.storage import retrying
 
 FAILURE_REASON = "failure_reason"
 FAILURE_MESSAGE = "failure_message"
+FAILURE_HINT = "failure_hint"
 FAILURE_TRACEBACK = "failure_traceback"
-INTERRUPTED = "interrupted"  # a failure_reason: the user pressed Ctrl-C
+INFERRED_FROM = "inferred_from"  # the trial an inferred out-of-memory verdict comes from
+INFERRED_OOM = "inferred_oom"  # a failure_reason: not trained, see `known_failure`
+CONSTRAINT = "feasible"  # the constraint's name: > 0 means infeasible
+INFEASIBLE_VALUES = (0.0, math.inf)  # placeholder objective values of an infeasible trial
+OOM_REASONS = ("cuda_oom", HOST_OOM, INFERRED_OOM)
 
 
-class TrialFailed(Exception):
-    """A trial's training failed; the reason is stored on the trial and the study goes on."""
+@dataclass(frozen=True)
+class Recorded:
+    """What was stored for a trial, for progress display."""
+
+    state: TrialState
+    infeasible: bool
+    values: tuple[float, float] | None
+    failure: TrialFailure | None
 
 
-class Objective:
-    """Callable for ``study.optimize``: returns ``(throughput, val_loss)``.
+def _footprint(params: LoaderParams) -> tuple[int, int]:
+    return params.batch_size, params.num_workers * (params.prefetch_factor or 0)
 
-    Every measurement is stored as a trial user attribute whose key names its unit, and the
-    effective settings (including the derived thread count) under ``loader_params``.
+
+def known_failure(
+    trials: Sequence[FrozenTrial], params: LoaderParams, hardware_class: str | None
+) -> tuple[TrialFailure, int] | None:
+    """An out-of-memory verdict inferred without training, with the number of the trial that
+    really ran out of memory; or None.
+
+    On the same hardware, settings that need at least as much memory as ones that already ran
+    out (same or larger batch size, and same or more ``num_workers * prefetch_factor``
+    batches in flight) would run out again: training them would only cost time.
     """
+    batch, in_flight = _footprint(params)
+    for trial in trials:
+        if trial.user_attrs.get(FAILURE_REASON) not in OOM_REASONS:
+            continue
+        if trial.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
+            continue
+        stored = trial.user_attrs.get(PARAMS_ATTR)
+        if not stored:
+            continue
+        other_batch, other_in_flight = _footprint(LoaderParams.from_dict(stored))
+        if batch >= other_batch and in_flight >= other_in_flight:
+            source = int(trial.user_attrs.get(INFERRED_FROM, trial.number))
+            failure = TrialFailure(
+                reason=INFERRED_OOM,
+                message=(
+                    f"not trained: needs at least the memory of trial #{source}"
+                    f" (batch {other_batch}, {other_in_flight} batches in flight), which ran"
+                    " out of memory on this hardware"
+                ),
+                hint="smaller batch sizes or fewer workers x prefetch fit",
+                traceback="",
+                infeasible=True,
+            )
+            return failure, source
+    return None
 
-    def __init__(
-        self,
-        workload: Workload,
-        space: ResolvedSpace,
-        settings: TrainingSettings,
-        device: torch.device,
-        on_start: Callable[[int, LoaderParams], None] = lambda number, params: None,
-    ) -> None:
-        self.workload = workload
-        self.space = space
-        self.settings = settings
-        self.device = device
-        self.on_start = on_start
 
-    def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
-        with warnings.catch_warnings():
-            if trial.user_attrs.get(BASELINE_ATTR):
-                # The baseline (num_workers=0) may sit outside a searched range on purpose.
-                warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
-            params = self.space.suggest(trial)
-        trial.set_user_attr(PARAMS_ATTR, params.as_dict())
-        self.on_start(trial.number, params)
+def record(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    outcome: TrialOutcome,
+    *,
+    inferred_from: int | None = None,
+    retry_s: float = 300.0,
+) -> Recorded:
+    """Store ``outcome`` on ``trial`` and finish it. Every write is retried while the
+    database is unreachable, so a result measured during a database restart is kept."""
+
+    def write(key: str, value: object) -> None:
+        retrying(lambda: trial.set_user_attr(key, value), deadline_s=retry_s)
+
+    failure = outcome.failure
+    if outcome.result is not None:
+        for key, value in outcome.result.user_attrs().items():
+            write(key, value)
+    write("trial_wall_time_s", outcome.wall_s)
+    if failure is not None:
+        write(FAILURE_REASON, failure.reason)
+        write(FAILURE_MESSAGE, failure.message[:2000])
+        write(FAILURE_HINT, failure.hint)
+        if failure.traceback:
+            write(FAILURE_TRACEBACK, failure.traceback[-4000:])
+        if inferred_from is not None:
+            write(INFERRED_FROM, inferred_from)
+    if failure is None or failure.infeasible:
+        infeasible = failure is not None
+        _set_constraint(trial, 1.0 if infeasible else 0.0, retry_s)
+        if outcome.result is not None and not infeasible:
+            values = (outcome.result.throughput_samples_per_s, outcome.result.val_loss)
+        else:
+            values = INFEASIBLE_VALUES
+        tell(study, trial, TrialState.COMPLETE, values, retry_s)
+        return Recorded(TrialState.COMPLETE, infeasible, values, failure)
+    tell(study, trial, TrialState.FAIL, None, retry_s)
+    return Recorded(TrialState.FAIL, False, None, failure)
+
+
+def record_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Ctrl-C: the trial gave no result and is not left RUNNING."""
+    retrying(lambda: trial.set_user_attr(FAILURE_REASON, INTERRUPTED), deadline_s=10)
+    tell(study, trial, TrialState.FAIL, None, 10)
+
+
+def _set_constraint(trial: optuna.Trial, value: float, retry_s: float) -> None:
+    def write() -> None:
+        # First write wins in Optuna; a retry after a lost acknowledgement must not warn.
+        if CONSTRAINT not in trial.storage.get_trial(trial._trial_id).constraints:
+            trial.set_constraint(CONSTRAINT, value)
+
+    retrying(write, deadline_s=retry_s)
+
+
+def tell(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    state: TrialState,
+    values: tuple[float, float] | None,
+    retry_s: float,
+) -> None:
+    """``study.tell``, retried; a retry that finds the trial already finished (the first
+    try committed, its answer was lost) is success."""
+
+    def once() -> None:
         try:
-            result = run_trial(self.workload, params, self.settings, self.device)
-        except KeyboardInterrupt:
-            trial.set_user_attr(FAILURE_REASON, INTERRUPTED)
-            raise
-        except TrainingDiverged as exc:
-            _record_failure(trial, "diverged", exc)
-            raise TrialFailed(str(exc)) from exc
-        except Exception as exc:
-            _record_failure(trial, "exception", exc)
-            raise TrialFailed(f"{type(exc).__name__}: {exc}") from exc
-        for key, value in result.user_attrs().items():
-            trial.set_user_attr(key, value)
-        return result.throughput_samples_per_s, result.val_loss
+            study.tell(trial, values=list(values) if values else None, state=state)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+            stored = study._storage.get_trial(trial._trial_id)
+            if stored.state != state:
+                raise
 
-
-def _record_failure(trial: optuna.Trial, reason: str, exc: BaseException) -> None:
-    trial.set_user_attr(FAILURE_REASON, reason)
-    trial.set_user_attr(FAILURE_MESSAGE, f"{type(exc).__name__}: {exc}"[:2000])
-    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    trial.set_user_attr(FAILURE_TRACEBACK, "".join(lines)[-4000:])
+    retrying(once, deadline_s=retry_s)

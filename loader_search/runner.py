@@ -1,110 +1,62 @@
-"""Creating or continuing a study and running its trials.
+"""Creating, continuing and joining studies; the trials themselves run in `worker`.
 
 The study's trial budget (``[study] trials``, or ``--n-trials``) is a total stored with the
-study: running the same study again continues until the budget is used, so an interrupted run
-picks up where it stopped.
+study and shared by every process that works on it: running the same study again continues
+until the budget is used, so an interrupted run picks up where it stopped, and ``loader-search
+worker`` processes on other machines join it. `run` stores its config document with the
+study, so a worker needs nothing but the study's name and the database.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import platform
-import time
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import optuna
-import torch
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from loader_search import __version__
-from loader_search.config import StudyConfig
-from loader_search.errors import StudyAborted, UserError
-from loader_search.objective import (
-    FAILURE_MESSAGE,
-    FAILURE_REASON,
-    INTERRUPTED,
-    Objective,
-    TrialFailed,
-)
+from loader_search.config import StudyConfig, parse_config
+from loader_search.doctor import fit_space, sample_bytes
+from loader_search.errors import UserError
+from loader_search.hardware import Hardware, collect, gpu_count
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import (
-    BASELINE_ATTR,
     BUDGET_ATTR,
     DIRECTIONS,
     FINGERPRINT_ATTR,
     METRIC_NAMES,
-    PARAMS_ATTR,
     TOLERANCE_ATTR,
     StudySummary,
+    hardware_classes,
     summarize,
-    trial_point,
 )
 from loader_search.space import ResolvedSpace
 from loader_search.storage import mask_url, open_storage, resolve_storage_url
-from loader_search.system import device_name, resolve_device, usable_cpus
+from loader_search.system import resolve_device, shm_bytes, usable_cpus
 from loader_search.trial import MIN_MEASURED_BATCHES, batches_needed
+from loader_search.worker import (
+    MIXED_HARDWARE_ATTR,
+    STUDY_HARDWARE_ATTR,
+    NullReporter,
+    Reporter,
+    Session,
+    StudyInfo,
+    TrialEvent,
+    count_finished,
+    work,
+)
 from loader_search.workloads import Workload, load_workload
 
+__all__ = ["Reporter", "StudyInfo", "TrialEvent", "init_study", "run_study", "run_worker"]
+
 DEFAULT_STUDY_NAME = "loader-search"
-FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-
-
-@dataclass(frozen=True)
-class StudyInfo:
-    name: str
-    storage: str  # masked
-    created: bool
-    budget: int
-    finished: int
-    device: str
-    workload: str
-    usable_cpus: int
-    notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TrialEvent:
-    number: int
-    complete: bool
-    params: LoaderParams | None
-    throughput: float | None
-    val_loss: float | None
-    failure: str | None
-    duration_s: float
-    finished: int
-    budget: int
-    pareto_size: int
-    best_throughput: float | None
-    best_val_loss: float | None
-
-
-class Reporter(Protocol):
-    """Receives progress; the CLI draws it, the Python API may ignore it."""
-
-    def preparing(self, what: str) -> None: ...
-
-    def study_started(self, info: StudyInfo) -> None: ...
-
-    def trial_started(self, number: int, params: LoaderParams) -> None: ...
-
-    def trial_finished(self, event: TrialEvent) -> None: ...
-
-
-class NullReporter:
-    def preparing(self, what: str) -> None:
-        pass
-
-    def study_started(self, info: StudyInfo) -> None:
-        pass
-
-    def trial_started(self, number: int, params: LoaderParams) -> None:
-        pass
-
-    def trial_finished(self, event: TrialEvent) -> None:
-        pass
+CONFIG_ATTR = "config"  # study attribute: the config document, for workers
 
 
 def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
@@ -153,13 +105,11 @@ def make_sampler(config: StudyConfig, seed_offset: int = 0) -> optuna.samplers.B
     return optuna.samplers.TPESampler(**kwargs)
 
 
-def _fingerprint(
-    config: StudyConfig, workload: Workload, spec: str, device: torch.device, cpus: int
-) -> dict[str, Any]:
-    """What a continued study must share with the one that created it: throughput measured
-    on other hardware, or validation loss under other training settings, would not compare."""
+def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str, Any]:
+    """What a continued study must share with the one that created it: validation loss
+    under other training settings would not compare. (Hardware is checked apart, per trial:
+    see `_check_hardware`.)"""
     return {
-        "hardware": {"device": device_name(device), "usable_cpus": cpus},
         "workload": spec,
         "workload_options": dict(workload.options or config.workload_options),
         "space": config.space.as_dict(),
@@ -175,51 +125,15 @@ def _fingerprint(
     }
 
 
-def _environment(device: torch.device, cpus: int) -> dict[str, Any]:
+def _environment() -> dict[str, Any]:
+    import torch
+
     return {
-        "device": str(device),
-        "device_name": device_name(device),
-        "usable_cpus": cpus,
         "torch_version": torch.__version__,
         "optuna_version": optuna.__version__,
         "python_version": platform.python_version(),
         "loader_search_version": __version__,
     }
-
-
-def _uses_budget(trial: FrozenTrial) -> bool:
-    """Interrupted trials gave no result, and a failed baseline stopped the study (it is
-    queued again): neither uses the budget."""
-    if trial.user_attrs.get(FAILURE_REASON) == INTERRUPTED:
-        return False
-    return not (trial.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR))
-
-
-def count_finished(study: optuna.Study) -> int:
-    """Trials that used the study's budget (see `_uses_budget`)."""
-    return sum(map(_uses_budget, study.get_trials(deepcopy=False, states=FINISHED_STATES)))
-
-
-def _combinations_left(study: optuna.Study, space: ResolvedSpace) -> int:
-    """For the grid sampler: valid combinations not yet measured (it would repeat them)."""
-    done = {
-        tuple(sorted(t.params.items()))
-        for t in study.get_trials(deepcopy=False, states=FINISHED_STATES)
-        if _uses_budget(t)
-    }
-    return max(0, space.size() - len(done))
-
-
-def _ensure_baseline(study: optuna.Study, space: ResolvedSpace, batch_size: int) -> None:
-    """Queue the baseline unless one completed or is queued.
-
-    The baseline is the loader most users start from, so every result reads as a speedup
-    over it; it runs first in a new study, and again in a continued study whose baseline was
-    interrupted, failed, or left RUNNING by a process that was killed.
-    """
-    present = (TrialState.COMPLETE, TrialState.WAITING)
-    if not any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(states=present)):
-        study.enqueue_trial(space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
 
 
 def _open_study(
@@ -247,7 +161,7 @@ def _open_study(
                 study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
             return study, True
     study = optuna.load_study(study_name=name, storage=storage)
-    study.sampler = make_sampler(config, seed_offset=len(study.get_trials(deepcopy=False)))
+    study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
     stored = study.user_attrs.get(FINGERPRINT_ATTR)
     has_results = bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     if stored is not None and stored != fingerprint and has_results:
@@ -261,6 +175,72 @@ def _open_study(
     return study, False
 
 
+def _seed_offset(study: optuna.Study) -> int:
+    """Shifts a continued study's sampler seed: by the trials it has (so it does not propose
+    its first settings again) and by this process (so that workers joining at the same moment
+    do not all propose the same settings)."""
+    return len(study.get_trials(deepcopy=False)) + os.getpid() * 7919
+
+
+def _check_hardware(study: optuna.Study, hardware: Hardware, allow_mixed: bool) -> list[str]:
+    """A study is bound to the hardware class of its first trial (see `worker`)."""
+    bound = study.user_attrs.get(STUDY_HARDWARE_ATTR)
+    if bound is None or bound == hardware.hardware_class:
+        return []
+    if not allow_mixed:
+        raise UserError(
+            f"study {study.study_name!r} measures hardware class {bound}, but this machine is"
+            f" {hardware.hardware_class} ({hardware.describe()}): its throughputs would not"
+            " compare. Run on matching hardware, or pass --allow-mixed-hardware (results are"
+            " then reported per hardware class)"
+        )
+    study.set_user_attr(MIXED_HARDWARE_ATTR, True)
+    return [
+        f"mixed hardware: this machine is {hardware.hardware_class}, the study's first"
+        f" trials ran on {bound}; results are reported per class"
+    ]
+
+
+def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
+    """Pin this process (and so every trial it forks) to ``cpus`` and ``gpu``; returns the
+    device spec to use. Called before anything asks CUDA about its devices."""
+    if cpus is not None:
+        allowed = os.sched_getaffinity(0)
+        outside = sorted(set(cpus) - allowed)
+        if not cpus or outside:
+            raise UserError(
+                f"--cpus {','.join(map(str, cpus))}: CPU(s) {outside or 'none'} are not"
+                f" available to this process (it may use {_ranges(sorted(allowed))})"
+            )
+        os.sched_setaffinity(0, set(cpus))
+    if gpu is None:
+        return device_spec
+    if device_spec == "cpu":
+        raise UserError(f"--gpu {gpu} but the study trains on the CPU: leave --gpu out")
+    count = gpu_count()
+    if gpu < 0 or gpu >= count:
+        raise UserError(f"--gpu {gpu}: this machine has {count} GPU(s) (0 .. {count - 1})")
+    # Set before CUDA starts (in this process or the trials it forks): the trial then sees
+    # one device, cuda:0.
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return "cuda"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
+@contextlib.contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    # The reporter speaks instead of Optuna's per-trial log lines.
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
 def run_study(
     config: StudyConfig,
     *,
@@ -268,39 +248,71 @@ def run_study(
     storage: str | None = None,
     n_trials: int | None = None,
     reporter: Reporter | None = None,
+    cpus: Sequence[int] | None = None,
+    gpu: int | None = None,
+    allow_mixed_hardware: bool = False,
 ) -> StudySummary:
     """Create (or continue) the study ``config`` describes, run it, and summarise it.
 
     ``workload`` overrides ``config.workload``: the Python API passes one built in memory.
-    ``n_trials`` sets the study's total trial budget; without it a new study takes
-    ``config.trials`` and a continued one keeps the budget stored with it.
+    ``n_trials`` sets the study's total trial budget, shared by every worker that joins;
+    without it a new study takes ``config.trials`` and a continued one keeps the budget
+    stored with it. ``cpus`` and ``gpu`` pin this process's trials (see `run_worker`).
     Bad input raises `UserError` before anything is stored.
     """
     reporter = reporter or NullReporter()
-    verbosity = optuna.logging.get_verbosity()
-    # The reporter speaks instead of Optuna's per-trial log lines; Optuna logs each failed
-    # trial with a traceback, which is stored on the trial (failure_traceback) instead.
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    try:
-        return _run(config, workload, storage, n_trials, reporter)
-    finally:
-        optuna.logging.set_verbosity(verbosity)
+    with _quiet_optuna():
+        # Everything that can be wrong with the input is checked before the storage is
+        # touched; the device first, as pinning must precede any question to CUDA.
+        device = resolve_device(_pin(cpus, gpu, config.device))
+        ncpus = usable_cpus()
+        hardware = collect(device.type, ncpus, 1 if gpu is not None else None)
+        study, info, workload, space = _create_or_continue(
+            config, workload, storage, n_trials, reporter, hardware, allow_mixed_hardware
+        )
+        reporter.study_started(info)
+        budget = info.budget
+        session = Session(study, config, workload, space, device, hardware, budget, cpus, gpu)
+        work(session, reporter, timeout_s=config.timeout_s)
+        return _summary(study, config.loss_tolerance, hardware)
 
 
-def _run(
+def init_study(
+    config: StudyConfig,
+    *,
+    workload: Workload | None = None,
+    storage: str | None = None,
+    n_trials: int | None = None,
+    reporter: Reporter | None = None,
+) -> StudyInfo:
+    """Create (or update the budget of) the study ``config`` describes, and run nothing.
+
+    For a team: one ``init`` creates the schema and the study before any worker starts
+    (workers creating tables at once can race), then ``loader-search worker`` processes join.
+    It needs no GPU: the study is bound to the hardware of its first trial, not of ``init``.
+    """
+    with _quiet_optuna():
+        _, info, _, _ = _create_or_continue(
+            config, workload, storage, n_trials, reporter or NullReporter(), None, False
+        )
+        return info
+
+
+def _create_or_continue(
     config: StudyConfig,
     workload: Workload | None,
     storage: str | None,
     n_trials: int | None,
     reporter: Reporter,
-) -> StudySummary:
-    # Everything that can be wrong with the input is checked before the storage is touched.
+    hardware: Hardware | None,
+    allow_mixed_hardware: bool,
+) -> tuple[optuna.Study, StudyInfo, Workload, ResolvedSpace]:
     if n_trials is not None and n_trials < 1:
         raise UserError(f"--n-trials {n_trials}: must be at least 1")
     url = resolve_storage_url(storage)
-    device = resolve_device(config.device)
-    cpus = usable_cpus()
-    space = config.space.resolve(cpus, cuda=device.type == "cuda")
+    ncpus = hardware.usable_cpus if hardware else usable_cpus()
+    cuda = hardware is not None and hardware.device_type == "cuda"
+    space = config.space.resolve(ncpus, cuda=cuda)
     check_budget(config.training, space)
     if workload is None:
         spec = config.workload
@@ -308,20 +320,24 @@ def _run(
         workload = load_workload(config.workload, config.workload_options)
     else:
         spec = f"python:{workload.name}"  # built in memory by the caller
+    if hardware is not None:
+        space = _fit_to_machine(space, workload)
     name = config.name or DEFAULT_STUDY_NAME
-    fingerprint = _fingerprint(config, workload, spec, device, cpus)
+    fingerprint = _fingerprint(config, workload, spec)
 
     shown = mask_url(url)
     reporter.preparing(f"opening storage {shown}")
-    rdb = open_storage(url)
+    rdb = open_storage(url, heartbeat=config.heartbeat)
     study, created = _open_study(rdb, name, config, fingerprint)
+    notes = list(space.notes)
+    if hardware is not None:
+        notes += _check_hardware(study, hardware, allow_mixed_hardware)
     finished = count_finished(study)
     if n_trials is not None and n_trials < finished:
         raise UserError(
             f"--n-trials {n_trials} is below the {finished} trials study {name!r} already has;"
             f" give at least {finished}, or use `loader-search best {name}` to see its results"
         )
-    notes = list(space.notes)
     budget = n_trials
     if budget is None:
         stored_budget = study.user_attrs.get(BUDGET_ATTR)
@@ -334,100 +350,134 @@ def _run(
     if created or study.user_attrs.get(FINGERPRINT_ATTR) != fingerprint:
         # New, made by plain Optuna, or nothing measured yet under the old settings.
         study.set_user_attr(FINGERPRINT_ATTR, fingerprint)
+        study.set_user_attr(CONFIG_ATTR, dict(config.document))
         study.set_user_attr("workload_description", workload.description)
         study.set_user_attr("sampler", config.sampler.name)
-        for key, value in _environment(device, cpus).items():
+        for key, value in _environment().items():
             study.set_user_attr(key, value)
-    _ensure_baseline(study, space, config.training.base_batch_size)
     study.set_user_attr(BUDGET_ATTR, budget)
     study.set_user_attr(TOLERANCE_ATTR, config.loss_tolerance)
-
-    remaining = budget - finished
-    if config.sampler.name == "grid":
-        left = _combinations_left(study, space)
-        if left < remaining:
-            notes.append(f"the grid has {left} combination(s) left to measure")
-            remaining = left
-    reporter.study_started(
-        StudyInfo(
-            name=name,
-            storage=shown,
-            created=created,
-            budget=budget,
-            finished=finished,
-            device=device_name(device),
-            workload=workload.description or workload.name,
-            usable_cpus=cpus,
-            notes=tuple(notes),
-        )
+    info = StudyInfo(
+        name=name,
+        storage=shown,
+        created=created,
+        budget=budget,
+        finished=finished,
+        device=hardware.describe() if hardware else "",
+        hardware_class=hardware.hardware_class if hardware else "",
+        workload=workload.description or workload.name,
+        usable_cpus=ncpus,
+        notes=tuple(notes),
     )
-    if remaining > 0:
-        _optimize(study, config, budget, workload, space, device, reporter, remaining)
-    return summarize(study, config.loss_tolerance)
+    return study, info, workload, space
 
 
-def _optimize(
-    study: optuna.Study,
-    config: StudyConfig,
-    budget: int,
-    workload: Workload,
-    space: ResolvedSpace,
-    device: torch.device,
-    reporter: Reporter,
-    n_trials: int,
-) -> None:
-    started: dict[int, float] = {}
-    failed_baseline: list[FrozenTrial] = []
+def _fit_to_machine(space: ResolvedSpace, workload: Workload) -> ResolvedSpace:
+    """Drop loader settings whose batches cannot fit in this machine's /dev/shm (the
+    messages land in ``space.notes``), as `loader-search doctor` reports them."""
+    fitted, _ = fit_space(space, sample_bytes(workload), shm_bytes())
+    return fitted
 
-    def on_start(number: int, params: LoaderParams) -> None:
-        started[number] = time.perf_counter()
-        reporter.trial_started(number, params)
 
-    def on_end(study: optuna.Study, trial: FrozenTrial) -> None:
-        complete = trial.state == TrialState.COMPLETE
-        point = trial_point(trial) if complete else None
-        stored = trial.user_attrs.get(PARAMS_ATTR)
-        pareto = study.best_trials
-        values = [
-            t.values for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        ]
-        failure = None
-        if not complete:
-            failure = trial.user_attrs.get(FAILURE_MESSAGE) or trial.user_attrs.get(
-                FAILURE_REASON, "failed"
-            )
-        reporter.trial_finished(
-            TrialEvent(
-                number=trial.number,
-                complete=complete,
-                params=LoaderParams.from_dict(stored) if stored else None,
-                throughput=point.throughput if point else None,
-                val_loss=point.val_loss if point else None,
-                failure=failure,
-                duration_s=time.perf_counter() - started.get(trial.number, time.perf_counter()),
-                finished=count_finished(study),
+def _summary(study: optuna.Study, loss_tolerance: float, hardware: Hardware) -> StudySummary:
+    """The whole study's results; only this machine's class when classes are mixed."""
+    mixed = len(hardware_classes(study)) > 1
+    return summarize(study, loss_tolerance, hardware.hardware_class if mixed else None)
+
+
+def stored_config(study: optuna.Study) -> StudyConfig:
+    """The config a study was created with, as `run` stored it for workers."""
+    document = study.user_attrs.get(CONFIG_ATTR)
+    if not document:
+        raise UserError(
+            f"study {study.study_name!r} has no stored config (it was not created by"
+            " `loader-search run`, or was created from Python): start it with `loader-search"
+            " run CONFIG --storage URL`, or call run_worker(..., config=...) from Python"
+        )
+    return parse_config(document, source=f"study {study.study_name!r}'s stored config")
+
+
+def run_worker(
+    study_name: str,
+    *,
+    storage: str | None = None,
+    n_trials: int | None = None,
+    timeout_s: float | None = None,
+    workload: Workload | None = None,
+    config: StudyConfig | None = None,
+    reporter: Reporter | None = None,
+    cpus: Sequence[int] | None = None,
+    gpu: int | None = None,
+    allow_mixed_hardware: bool = False,
+) -> StudySummary:
+    """Join an existing study and run its trials until its budget (shared by every worker)
+    is used, ``n_trials`` ran here, or ``timeout_s`` passed.
+
+    The study's config comes from the study itself (``run`` stored it), so every worker
+    trains the same workload with the same settings; ``config`` and ``workload`` override
+    that for the Python API. By default a trial holds the whole host (one at a time per
+    machine); ``cpus`` and ``gpu`` pin this worker's trials so that workers with disjoint
+    sets can train side by side. A worker on hardware of another class than the study's
+    first trial is refused unless ``allow_mixed_hardware``.
+    """
+    if n_trials is not None and n_trials < 1:
+        raise UserError(f"--n-trials {n_trials}: must be at least 1")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
+    reporter = reporter or NullReporter()
+    with _quiet_optuna():
+        url = resolve_storage_url(storage)
+        shown = mask_url(url)
+        reporter.preparing(f"opening storage {shown}")
+        study = load_existing_study(open_storage(url, must_exist=True), study_name, shown)
+        config = config or stored_config(study)
+        device = resolve_device(_pin(cpus, gpu, config.device))
+        ncpus = usable_cpus()
+        space = config.space.resolve(ncpus, cuda=device.type == "cuda")
+        hardware = collect(device.type, ncpus, 1 if gpu is not None else None)
+        mixed_notes = _check_hardware(study, hardware, allow_mixed_hardware)
+        if workload is None:
+            reporter.preparing(f"building workload {config.workload} (its data and model)")
+            workload = load_workload(config.workload, config.workload_options)
+        space = _fit_to_machine(space, workload)
+        notes = list(space.notes) + mixed_notes
+        # Again, now with heartbeats on (their settings are the study's).
+        rdb = open_storage(url, must_exist=True, heartbeat=config.heartbeat)
+        study = optuna.load_study(study_name=study_name, storage=rdb)
+        study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
+        budget = int(study.user_attrs.get(BUDGET_ATTR, config.trials))
+        reporter.study_started(
+            StudyInfo(
+                name=study_name,
+                storage=shown,
+                created=False,
                 budget=budget,
-                pareto_size=len(pareto),
-                best_throughput=max((v[0] for v in values), default=None),
-                best_val_loss=min((v[1] for v in values), default=None),
+                finished=count_finished(study),
+                device=hardware.describe(),
+                hardware_class=hardware.hardware_class,
+                workload=workload.description or workload.name,
+                usable_cpus=ncpus,
+                notes=tuple(notes),
             )
         )
-        if not complete and trial.user_attrs.get(BASELINE_ATTR):
-            failed_baseline.append(trial)
-            study.stop()
+        session = Session(study, config, workload, space, device, hardware, budget, cpus, gpu)
+        work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
+        tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, config.loss_tolerance))
+        return _summary(study, tolerance, hardware)
 
-    objective = Objective(workload, space, config.training, device, on_start)
-    study.optimize(
-        objective,
-        n_trials=n_trials,
-        timeout=config.timeout_s,
-        catch=(TrialFailed,),
-        callbacks=[on_end],
-    )
-    if failed_baseline:
-        baseline = failed_baseline[0]
-        message = baseline.user_attrs.get(FAILURE_MESSAGE, "failed")
-        raise StudyAborted(
-            f"the baseline trial (#{baseline.number}) failed: {message}. The workload does not"
-            " train with the plainest loader; fix it before searching"
+
+def load_existing_study(
+    storage: optuna.storages.BaseStorage, name: str, shown: str
+) -> optuna.Study:
+    """The study ``name``, or a one-line error that lists the studies there are."""
+    names = optuna.study.get_all_study_names(storage)
+    if name not in names:
+        there = ", ".join(repr(n) for n in names[:10]) or "none"
+        raise UserError(
+            f"no study {name!r} in storage {shown} (studies there: {there}); create it with"
+            " `loader-search run CONFIG --storage URL`"
         )
+    study = optuna.load_study(study_name=name, storage=storage)
+    if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
+        raise UserError(f"study {name!r} is not a loader-search study")
+    return study

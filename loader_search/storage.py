@@ -179,26 +179,30 @@ def open_storage(
     except ModuleNotFoundError as exc:
         hint = _DRIVER_HINTS.get(exc.name or "", "install the database driver")
         raise UserError(f"storage URL {shown}: driver {exc.name!r} is missing: {hint}") from None
-    except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError) as exc:
-        raise UserError(
-            f"cannot reach storage {shown}: {_mask_in(_first_line(exc), url)}; check the host,"
-            " the credentials and that the database exists"
-        ) from None
     except UserError:
         raise
-    except RuntimeError as exc:
-        if "no longer compatible" not in str(exc) and "not supported" not in str(exc):
-            raise UserError(
-                f"cannot open storage {shown}: {_mask_in(_first_line(exc), url)}"
-            ) from None
-        raise UserError(
+    except Exception as exc:
+        raise _open_error(exc, url, shown) from None
+
+
+def _open_error(exc: Exception, url: str, shown: str) -> UserError:
+    """The one-line message for a storage that cannot be opened."""
+    if is_transient(exc):
+        # Optuna wraps errors raised at commit: the driver's own message is the cause's.
+        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        return UserError(
+            f"cannot reach storage {shown}: {_mask_in(_first_line(cause), url)}; check the"
+            " host, the credentials and that the database exists"
+        )
+    if isinstance(exc, RuntimeError) and "no longer compatible" in str(exc):
+        return UserError(
             f"storage {shown} holds an Optuna schema this version cannot use; upgrade it with"
             " `optuna storage upgrade --storage URL` (back the database up first)"
-        ) from None
-    except Exception as exc:  # a bad URL option, a file that is not a database...
-        raise UserError(
-            f"cannot open storage {shown}: {type(exc).__name__}: {_mask_in(_first_line(exc), url)}"
-        ) from None
+        )
+    # A bad URL option, a file that is not a database...
+    return UserError(
+        f"cannot open storage {shown}: {type(exc).__name__}: {_mask_in(_first_line(exc), url)}"
+    )
 
 
 def _check_schema(storage: optuna.storages.RDBStorage, shown: str) -> None:

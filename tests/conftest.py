@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,30 @@ def require_database(url: str) -> None:
         if os.environ.get("LOADER_SEARCH_REQUIRE_DBS"):
             pytest.fail(f"database {url} is required but unreachable: {exc}")
         pytest.skip(f"database {url} is not reachable here")
+
+
+@contextlib.contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    """A new, empty database on the server of ``server_url``, dropped afterwards, so tests
+    that share a server run repeatedly and side by side."""
+    import sqlalchemy
+    from sqlalchemy.engine import make_url
+
+    require_database(server_url)
+    url = make_url(server_url)
+    name = f"ls_test_{uuid.uuid4().hex[:12]}"
+    # Pre-ping: a test may restart the server in between.
+    admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    postgres = url.get_backend_name() == "postgresql"
+    with admin.connect() as connection:
+        connection.execute(sqlalchemy.text(f"CREATE DATABASE {name}"))
+    try:
+        yield url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        drop = f"DROP DATABASE IF EXISTS {name}" + (" WITH (FORCE)" if postgres else "")
+        with admin.connect() as connection:
+            connection.execute(sqlalchemy.text(drop))
+        admin.dispose()
 
 
 # A study config small enough that a whole CLI run takes seconds on 2 cores.

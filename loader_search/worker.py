@@ -1,0 +1,404 @@
+"""The loop every process that runs trials goes through, `run` and `worker` alike.
+
+Many workers on many machines share one study and one trial budget. What keeps them honest:
+
+* **One step to count and take.** Counting the trials that used the budget and taking the
+  next one (a queued retry first, else a new suggestion) happen under the study lock
+  (`loader_search.locks.study_lock`), so N workers never run more than the budget, and on
+  SQLite two processes never take the same queued trial.
+* **Heartbeats.** While a trial trains, a thread writes its heartbeat. A trial whose worker
+  died (SIGKILL, lost machine) stops beating; after the grace period a sweeper thread, which
+  every worker runs even while its own trial trains, marks it FAIL and Optuna's
+  `RetryHeartbeatStaleTrialCallback` queues it again with the same settings (a bounded
+  number of times). Our own threads are used instead of ``study.optimize``'s so that a
+  database restart does not kill the heartbeat, and so that results can be written with
+  retries (`loader_search.objective.record`).
+* **One trial per host at a time** (`loader_search.locks.host_lock`), unless each worker is
+  pinned to its own CPUs and GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import optuna
+import torch
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.config import StudyConfig
+from loader_search.errors import StudyAborted
+from loader_search.hardware import Hardware
+from loader_search.isolation import INTERRUPTED, TrialOutcome, run_isolated
+from loader_search.locks import host_lock, study_lock
+from loader_search.objective import (
+    FAILURE_REASON,
+    Recorded,
+    known_failure,
+    record,
+    record_interrupted,
+)
+from loader_search.params import LoaderParams
+from loader_search.recommend import (
+    BASELINE_ATTR,
+    HARDWARE_ATTR,
+    HARDWARE_CLASS_ATTR,
+    PARAMS_ATTR,
+    is_feasible,
+)
+from loader_search.space import ResolvedSpace
+from loader_search.storage import retrying
+from loader_search.workloads import Workload
+
+FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+STUDY_HARDWARE_ATTR = "hardware_class"  # study attribute: the class of its first trial
+MIXED_HARDWARE_ATTR = "mixed_hardware"  # study attribute: classes other than the first ran
+
+
+@dataclass(frozen=True)
+class TrialEvent:
+    number: int
+    params: LoaderParams | None
+    state: str  # "complete", "infeasible" or "failed"
+    throughput: float | None
+    val_loss: float | None
+    failure: str | None  # "reason: message"
+    hint: str | None
+    duration_s: float
+    finished: int
+    budget: int
+    pareto_size: int
+    best_throughput: float | None
+    best_val_loss: float | None
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+
+class Reporter(Protocol):
+    """Receives progress; the CLI draws it, the Python API ignores it (`NullReporter`)."""
+
+    def preparing(self, what: str) -> None:
+        """A step before the trials start (or a wait between them)."""
+
+    def study_started(self, info: StudyInfo) -> None:
+        """The study is open; ``info`` says what will run."""
+
+    def trial_started(self, number: int, params: LoaderParams) -> None:
+        """A trial begins training."""
+
+    def trial_finished(self, event: TrialEvent) -> None:
+        """A trial's outcome was stored."""
+
+    def warning(self, what: str) -> None:
+        """Something went wrong that the work survives (a database outage, a retry)."""
+
+
+class NullReporter:
+    def preparing(self, what: str) -> None:
+        pass
+
+    def study_started(self, info: StudyInfo) -> None:
+        pass
+
+    def trial_started(self, number: int, params: LoaderParams) -> None:
+        pass
+
+    def trial_finished(self, event: TrialEvent) -> None:
+        pass
+
+    def warning(self, what: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    name: str
+    storage: str  # masked
+    created: bool
+    budget: int
+    finished: int
+    device: str
+    hardware_class: str
+    workload: str
+    usable_cpus: int
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Session:
+    """Everything one worker process needs to run trials of one study."""
+
+    study: optuna.Study
+    config: StudyConfig
+    workload: Workload
+    space: ResolvedSpace
+    device: torch.device
+    hardware: Hardware
+    budget: int
+    cpus: Sequence[int] | None = None
+    gpu: int | None = None
+
+
+def uses_budget(trial: FrozenTrial) -> bool:
+    """Whether a trial counts against the study's budget.
+
+    Queued, running and completed trials count. A failed trial counts when it failed on its
+    own (a crash, a hang): that is a result. Not counted: an interrupted trial, a failed
+    baseline (the study stops and queues it again), and a trial whose worker died (no
+    failure reason: it is queued again as a retry, which counts instead).
+    """
+    if trial.state != TrialState.FAIL:
+        return True
+    reason = trial.user_attrs.get(FAILURE_REASON)
+    if reason is None or reason == INTERRUPTED:
+        return False
+    return not trial.user_attrs.get(BASELINE_ATTR)
+
+
+def count_used(trials: Sequence[FrozenTrial], states: Sequence[TrialState]) -> int:
+    return sum(uses_budget(t) for t in trials if t.state in states)
+
+
+def count_finished(study: optuna.Study) -> int:
+    """Finished trials that used the study's budget."""
+    return count_used(study.get_trials(deepcopy=False), FINISHED_STATES)
+
+
+def _combinations_left(trials: Sequence[FrozenTrial], space: ResolvedSpace) -> int:
+    """For the grid sampler: valid combinations not yet taken (it would repeat them)."""
+    taken = {tuple(sorted(t.params.items())) for t in trials if uses_budget(t) and t.params}
+    return max(0, space.size() - len(taken))
+
+
+def ensure_baseline(study: optuna.Study, space: ResolvedSpace, batch_size: int) -> None:
+    """Queue the baseline unless one completed, is queued or is running (call under the
+    study lock). It runs first in a new study, and again in a continued study whose
+    baseline was interrupted or failed. The worker that takes the first trial queues it,
+    as the baseline's thread count depends on the machine that runs it."""
+    present = (TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING)
+    if not any(t.user_attrs.get(BASELINE_ATTR) for t in study.get_trials(states=present)):
+        study.enqueue_trial(space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+class _Every(threading.Thread):
+    """Calls ``action`` every ``interval_s`` until stopped; errors are reported, never fatal
+    (a heartbeat thread that died with a database outage would get its trial retried while
+    it still trains)."""
+
+    def __init__(
+        self, interval_s: float, action: Callable[[], None], on_error: Callable[[str], None]
+    ) -> None:
+        super().__init__(daemon=True)
+        self._interval_s = interval_s
+        self._action = action
+        self._on_error = on_error
+        self._stop_event = threading.Event()
+        self._failing = False
+
+    def run(self) -> None:
+        while True:
+            try:
+                self._action()
+            except Exception as exc:
+                if not self._failing:  # once per outage, not every beat
+                    self._on_error(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                self._failing = True
+            else:
+                self._failing = False
+            if self._stop_event.wait(self._interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def _engine(study: optuna.Study) -> Any:
+    """The SQLAlchemy engine under the study's (cached) RDB storage."""
+    storage: Any = study._storage
+    return getattr(storage, "_backend", storage).engine
+
+
+def _take_trial(session: Session, reporter: Reporter) -> tuple[optuna.Trial, LoaderParams] | None:
+    """Under the study lock: sweep stale trials, check the budget, take the next trial and
+    its settings. None when the budget is used up."""
+    study = session.study
+    with study_lock(_engine(study), study._study_id):
+        fail_stale_trials(study)
+        trials = study.get_trials(deepcopy=False)
+        queued = any(t.state == TrialState.WAITING for t in trials)
+        if not queued:
+            used = count_used(trials, (*FINISHED_STATES, TrialState.RUNNING))
+            if used >= session.budget:
+                return None
+            if session.config.sampler.name == "grid" and not _combinations_left(
+                trials, session.space
+            ):
+                return None
+            ensure_baseline(study, session.space, session.config.training.base_batch_size)
+        if STUDY_HARDWARE_ATTR not in study.user_attrs:
+            study.set_user_attr(STUDY_HARDWARE_ATTR, session.hardware.hardware_class)
+        with warnings.catch_warnings():
+            # Optuna warns that heartbeats are meant for study.optimize: this module writes
+            # them itself (see the module docstring).
+            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+            trial = study.ask()
+        with warnings.catch_warnings():
+            if trial.user_attrs.get(BASELINE_ATTR):
+                # The baseline (num_workers=0) may sit outside a searched range on purpose.
+                warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+            params = session.space.suggest(trial)
+        trial.set_user_attr(PARAMS_ATTR, params.as_dict())
+        trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
+        trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
+    return trial, params
+
+
+def work(
+    session: Session,
+    reporter: Reporter,
+    *,
+    max_trials: int | None = None,
+    timeout_s: float | None = None,
+) -> int:
+    """Run trials until the study's budget is used, ``max_trials`` ran here, or
+    ``timeout_s`` passed (no new trial starts after it). Returns the trials run here.
+
+    Raises `StudyAborted` when the baseline fails, and KeyboardInterrupt (after recording
+    the running trial as interrupted) on Ctrl-C.
+    """
+    interval = session.config.heartbeat.interval_s
+    sweeper = _Every(
+        interval,
+        lambda: _sweep(session),
+        lambda error: reporter.warning(f"cannot sweep stale trials: {error}"),
+    )
+    sweeper.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    ran = 0
+    try:
+        while max_trials is None or ran < max_trials:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            with host_lock(
+                session.cpus,
+                session.gpu,
+                on_wait=lambda: reporter.preparing("waiting for the trial training on this host"),
+            ):
+                taken = retrying(
+                    lambda: _take_trial(session, reporter),
+                    on_retry=lambda exc, pause: reporter.warning(
+                        f"database unreachable ({type(exc).__name__}); retrying in {pause:.0f} s"
+                    ),
+                )
+                if taken is None:
+                    break
+                trial, params = taken
+                recorded = _run_one(session, reporter, trial, params)
+            ran += 1
+            if recorded.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR):
+                message = recorded.failure.message if recorded.failure else "failed"
+                raise StudyAborted(
+                    f"the baseline trial (#{trial.number}) failed: {message}. The workload"
+                    " does not train with the plainest loader; fix it before searching"
+                )
+    finally:
+        sweeper.stop()
+    return ran
+
+
+def _sweep(session: Session) -> None:
+    study = session.study
+    with study_lock(_engine(study), study._study_id):
+        fail_stale_trials(study)
+
+
+def _run_one(
+    session: Session, reporter: Reporter, trial: optuna.Trial, params: LoaderParams
+) -> Recorded:
+    study = session.study
+    storage = study._storage
+    heartbeat = _Every(
+        session.config.heartbeat.interval_s,
+        lambda: storage.record_heartbeat(trial._trial_id),  # type: ignore[attr-defined]
+        lambda error: reporter.warning(f"cannot write trial #{trial.number}'s heartbeat: {error}"),
+    )
+    heartbeat.start()
+    started = time.perf_counter()
+    reporter.trial_started(trial.number, params)
+    try:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        inferred = known_failure(trials, params, session.hardware.hardware_class)
+        try:
+            if inferred is not None:
+                outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
+            else:
+                outcome = run_isolated(
+                    session.workload,
+                    params,
+                    session.config.training,
+                    session.device,
+                    limits=session.config.limits,
+                )
+        except KeyboardInterrupt:
+            record_interrupted(study, trial)
+            raise
+        if outcome.failure and outcome.failure.infeasible and trial.user_attrs.get(BASELINE_ATTR):
+            # The plainest loader does not train (it diverged or ran out of memory): that is
+            # no region for the sampler to avoid but a broken workload; the study stops.
+            outcome = dataclasses.replace(
+                outcome, failure=dataclasses.replace(outcome.failure, infeasible=False)
+            )
+        recorded = record(study, trial, outcome, inferred_from=inferred[1] if inferred else None)
+    finally:
+        heartbeat.stop()
+    reporter.trial_finished(_event(session, trial, params, recorded, started))
+    return recorded
+
+
+def _event(
+    session: Session,
+    trial: optuna.Trial,
+    params: LoaderParams,
+    recorded: Recorded,
+    started: float,
+) -> TrialEvent:
+    study = session.study
+    feasible = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if is_feasible(t)
+    ]
+    failure = recorded.failure
+    state = "failed" if recorded.state == TrialState.FAIL else "complete"
+    if recorded.infeasible:
+        state = "infeasible"
+    values = recorded.values if state == "complete" else None
+    return TrialEvent(
+        number=trial.number,
+        params=params,
+        state=state,
+        throughput=values[0] if values else None,
+        val_loss=values[1] if values else None,
+        failure=f"{failure.reason}: {failure.message}" if failure else None,
+        hint=failure.hint if failure else None,
+        duration_s=time.perf_counter() - started,
+        finished=count_finished(study),
+        budget=session.budget,
+        pareto_size=len(study.best_trials),
+        best_throughput=max((t.values[0] for t in feasible), default=None),
+        best_val_loss=min((t.values[1] for t in feasible), default=None),
+    )

@@ -1,0 +1,328 @@
+"""Many worker processes on one study: the real `loader-search worker` command against real
+PostgreSQL, MariaDB and SQLite databases (each test creates and drops its own database)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from loader_search.objective import FAILURE_REASON
+from loader_search.worker import count_finished
+from loader_search.workloads import Workload
+from tests.conftest import (
+    MARIADB_URL,
+    POSTGRES_URL,
+    ROOT,
+    TINY_CONFIG,
+    run_cli,
+    scratch_database,
+)
+
+# Short heartbeats, so that a dead worker's trial is found within seconds.
+WORKERS = """
+[workers]
+heartbeat_interval_s = 1
+grace_period_s = 4
+max_retry = 2
+"""
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def team_db(request: pytest.FixtureRequest) -> Iterator[str]:
+    with scratch_database(POSTGRES_URL if request.param == "postgresql" else MARIADB_URL) as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_db() -> Iterator[str]:
+    with scratch_database(POSTGRES_URL) as url:
+        yield url
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """A lock folder of the test's own: other tests' trials on this machine don't wait."""
+    return {"LOADER_SEARCH_LOCK_DIR": str(tmp_path / "locks")}
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Callable[[int], Path]:
+    def write(trials: int) -> Path:
+        path = tmp_path / "tiny.toml"
+        path.write_text(TINY_CONFIG.format(trials=trials) + WORKERS)
+        return path
+
+    return write
+
+
+class Worker:
+    """A `loader-search worker` process, its output kept in files."""
+
+    def __init__(self, tmp_path: Path, index: int, args: list[str], env: dict[str, str]) -> None:
+        self.log = tmp_path / f"worker-{index}.log"
+        self._file = self.log.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "loader_search", "worker", *args],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait(self, timeout: float = 300) -> int:
+        code = self.process.wait(timeout)
+        self._file.close()
+        return code
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def _study(url: str) -> optuna.Study:
+    return optuna.load_study(study_name="tiny", storage=url)
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def _assert_budget_honoured(url: str, budget: int) -> optuna.Study:
+    study = _study(url)
+    trials = study.get_trials()
+    numbers = [t.number for t in trials]
+    assert len(numbers) == len(set(numbers))
+    assert count_finished(study) == budget
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    return study
+
+
+def _run_workers(
+    url: str, tmp_path: Path, env: dict[str, str], n: int, extra: list[list[str]] | None = None
+) -> list[Worker]:
+    workers = [
+        Worker(tmp_path, i, ["tiny", "--storage", url, *(extra[i] if extra else [])], env)
+        for i in range(n)
+    ]
+    for worker in workers:
+        assert worker.wait() == 0, worker.output
+    return workers
+
+
+def test_four_workers_share_one_budget(
+    team_db: str, config: Callable[[int], Path], tmp_path: Path, env: dict[str, str]
+) -> None:
+    created = run_cli("init", str(config(6)), "--storage", team_db, env=env)
+    assert created.returncode == 0, created.stderr
+    assert "Created study tiny" in created.stdout
+    # Pinned two to a CPU: two trials train at a time, the other two workers wait their turn.
+    pins = [["--cpus", str(i % 2)] for i in range(4)]
+    workers = _run_workers(team_db, tmp_path, env, 4, pins)
+    study = _assert_budget_honoured(team_db, 6)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 6
+    assert sum(1 for t in complete if t.user_attrs.get("baseline")) == 1
+    for worker in workers:
+        assert "error" not in worker.output.lower(), worker.output
+        assert "Traceback" not in worker.output
+    # More than one worker did the work.
+    assert sum("samples/s" in w.output for w in workers) >= 2
+
+
+def test_workers_on_sqlite_share_one_budget(
+    config: Callable[[int], Path], tmp_path: Path, env: dict[str, str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'team.db'}"
+    assert run_cli("init", str(config(4)), "--storage", url, env=env).returncode == 0
+    _run_workers(url, tmp_path, env, 3)
+    _assert_budget_honoured(url, 4)
+
+
+def test_a_killed_worker_s_trial_is_retried(
+    postgres_db: str, config: Callable[[int], Path], tmp_path: Path, env: dict[str, str]
+) -> None:
+    budget = 3
+    assert run_cli("init", str(config(budget)), "--storage", postgres_db, env=env).returncode == 0
+    victim = Worker(tmp_path, 0, ["tiny", "--storage", postgres_db], env)
+
+    def training() -> bool:
+        return bool(_study(postgres_db).get_trials(states=(TrialState.RUNNING,)))
+
+    _wait_for(training, 120, "the first trial to start")
+    (running,) = _study(postgres_db).get_trials(states=(TrialState.RUNNING,))
+    victim.process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.wait()
+
+    survivor = Worker(tmp_path, 1, ["tiny", "--storage", postgres_db], env)
+
+    def failed() -> bool:
+        return _study(postgres_db).trials[running.number].state == TrialState.FAIL
+
+    _wait_for(failed, 60, "the dead worker's trial to be failed")
+    recovery_s = time.monotonic() - killed_at
+    assert survivor.wait() == 0, survivor.output
+    study = _assert_budget_honoured(postgres_db, budget)
+    dead = study.trials[running.number]
+    assert FAILURE_REASON not in dead.user_attrs  # no result: it does not use the budget
+    (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert retry.state == TrialState.COMPLETE
+    assert retry.params == dead.params
+    # grace period 4 s, plus a sweep every heartbeat: well under a minute.
+    print(f"stale trial failed {recovery_s:.1f} s after SIGKILL")
+
+
+def test_a_database_restart_loses_no_result(
+    postgres_db: str, config: Callable[[int], Path], tmp_path: Path, env: dict[str, str]
+) -> None:
+    budget = 5
+    assert run_cli("init", str(config(budget)), "--storage", postgres_db, env=env).returncode == 0
+    workers = [
+        Worker(tmp_path, i, ["tiny", "--storage", postgres_db, "--cpus", str(i)], env)
+        for i in range(2)
+    ]
+    _wait_for(lambda: count_finished(_study(postgres_db)) >= 1, 120, "a first result")
+    restarted_at = time.monotonic()
+    subprocess.run(_pg_ctl("restart"), check=True, capture_output=True, timeout=120)
+    back = _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
+    for worker in workers:
+        assert worker.wait() == 0, worker.output
+    _assert_budget_honoured(postgres_db, budget)
+    print(f"PostgreSQL restart: answering again {time.monotonic() - restarted_at:.1f} s later")
+    assert back < 60
+
+
+def _pg_ctl(action: str) -> list[str]:
+    versions = sorted(os.listdir("/etc/postgresql"))
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", action]
+
+
+def _postgres_answers() -> bool:
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(POSTGRES_URL)
+        with engine.connect():
+            pass
+        engine.dispose()
+        return True
+    except sqlalchemy.exc.OperationalError:
+        return False
+
+
+def test_other_hardware_is_refused_unless_allowed(
+    postgres_db: str, config: Callable[[int], Path], tmp_path: Path, env: dict[str, str]
+) -> None:
+    secret = "Sup3rSecretPw"
+    url = postgres_db.replace("postgres@", f"postgres:{secret}@")  # trust auth ignores it
+    init = run_cli("init", str(config(3)), "--storage", url, env=env)
+    assert init.returncode == 0, init.stderr
+    first = run_cli("worker", "tiny", "--storage", url, "--n-trials", "1", env=env)
+    assert first.returncode == 0, first.stderr
+    # Pinned to one CPU, this machine is another hardware class than the whole of it.
+    refused = run_cli("worker", "tiny", "--storage", url, "--cpus", "0", env=env)
+    assert refused.returncode == 2
+    assert "hardware class" in refused.stderr and "--allow-mixed-hardware" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    mixed = run_cli(
+        "worker", "tiny", "--storage", url, "--cpus", "0", "--allow-mixed-hardware", env=env
+    )
+    assert mixed.returncode == 0, mixed.stderr
+    study = _study(postgres_db)
+    classes = {t.user_attrs["hardware_class"] for t in study.trials}
+    assert len(classes) == 2
+    hardware = study.trials[0].user_attrs["hardware"]
+    for key in ("cpu_model", "usable_cpus", "ram_bytes", "shm_bytes", "torch_version"):
+        assert key in hardware
+    # The password shows nowhere: not in any output, not in the study's attributes.
+    for result in (init, first, refused, mixed):
+        assert secret not in result.stdout + result.stderr
+    stored = json.dumps([study.user_attrs, [t.user_attrs for t in study.trials]], default=str)
+    assert secret not in stored
+
+
+def test_ctrl_c_on_a_worker_interrupts_its_trial(
+    config: Callable[[int], Path], tmp_path: Path, env: dict[str, str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'team.db'}"
+    assert run_cli("init", str(config(3)), "--storage", url, env=env).returncode == 0
+    worker = Worker(tmp_path, 0, ["tiny", "--storage", url], env)
+
+    def training() -> bool:
+        return bool(_study(url).get_trials(states=(TrialState.RUNNING,)))
+
+    _wait_for(training, 120, "a trial to start")
+    worker.process.send_signal(signal.SIGINT)
+    assert worker.wait(60) == 130
+    study = _study(url)
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    interrupted = [t for t in study.trials if t.user_attrs.get(FAILURE_REASON) == "interrupted"]
+    assert len(interrupted) == 1
+    assert "Traceback" not in worker.output
+
+
+def test_worker_errors_are_one_line(tmp_path: Path, env: dict[str, str]) -> None:
+    url = f"sqlite:///{tmp_path / 'none.db'}"
+    missing_file = run_cli("worker", "tiny", "--storage", url, env=env)
+    assert missing_file.returncode == 2
+    assert "no database file" in missing_file.stderr
+    assert not (tmp_path / "none.db").exists()
+    unreachable = run_cli(
+        "worker", "tiny", "--storage", "postgresql+psycopg://u:Hidden123@127.0.0.1:1/db", env=env
+    )
+    assert unreachable.returncode == 2
+    assert "Hidden123" not in unreachable.stderr
+    assert len(unreachable.stderr.strip().splitlines()) == 1
+
+
+def test_a_result_written_during_an_outage_is_kept(
+    postgres_db: str, tiny_workload: Workload
+) -> None:
+    """The database stops just as a trial finishes; its result is written once it is back."""
+    from loader_search.isolation import TrialOutcome
+    from loader_search.objective import record
+    from loader_search.params import LoaderParams, TrainingSettings
+    from loader_search.recommend import DIRECTIONS
+    from loader_search.storage import open_storage
+    from loader_search.trial import run_trial
+
+    study = optuna.create_study(
+        study_name="outage", storage=open_storage(postgres_db), directions=list(DIRECTIONS)
+    )
+    trial = study.ask()
+    params = LoaderParams(batch_size=16, num_workers=0, torch_threads=1)
+    result = run_trial(tiny_workload, params, TrainingSettings(train_samples=256))
+    outcome = TrialOutcome(result=result, failure=None, wall_s=1.0, startup_s=0.0)
+    subprocess.run(_pg_ctl("stop"), check=True, capture_output=True, timeout=120)
+    restart = threading.Timer(
+        3.0, lambda: subprocess.run(_pg_ctl("start"), check=True, timeout=120)
+    )
+    restart.start()
+    try:
+        started = time.monotonic()
+        record(study, trial, outcome, retry_s=120)
+        waited = time.monotonic() - started
+    finally:
+        restart.join()
+        _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
+    stored = optuna.load_study(study_name="outage", storage=postgres_db).trials[0]
+    assert stored.state == TrialState.COMPLETE
+    assert stored.values == [result.throughput_samples_per_s, result.val_loss]
+    assert stored.constraints == {"feasible": 0.0}
+    assert waited >= 2.5  # it really waited for the server
