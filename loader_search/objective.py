@@ -106,6 +106,8 @@ def record(
         for key, value in outcome.result.user_attrs().items():
             write(key, value)
     write("trial_wall_time_s", outcome.wall_s)
+    if outcome.isolated and outcome.wall_s > 0:
+        write("isolation_overhead_s", outcome.overhead_s)  # fork, result transfer, teardown
     if failure is not None:
         write(FAILURE_REASON, failure.reason)
         write(FAILURE_MESSAGE, failure.message[:2000])

@@ -324,3 +324,25 @@ def test_limits_are_checked() -> None:
         TrialLimits(timeout_s=0)
     with pytest.raises(ValueError, match="memory_limit_bytes"):
         TrialLimits(memory_limit_bytes=0)
+
+
+def test_the_parent_imports_once_what_every_trial_would_import() -> None:
+    """torch's first optimizer imports torch._dynamo (about a second): the parent does it
+    before the first fork, so that no trial pays it again. In a fresh interpreter, as this
+    test process has imported it long ago."""
+    code = (
+        "import sys\n"
+        "from loader_search.isolation import run_isolated\n"
+        "from loader_search.params import LoaderParams, TrainingSettings\n"
+        "from tests._faults import good\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "outcome = run_isolated(good(), LoaderParams(batch_size=16, torch_threads=1),"
+        " TrainingSettings(train_samples=256))\n"
+        "assert outcome.failure is None, outcome.failure\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
