@@ -25,7 +25,7 @@ from rich.table import Table
 # Heavy modules (torch, optuna) are imported inside the commands: `--help` and input errors
 # answer at once.
 from loader_search.errors import StudyAborted, UserError
-from loader_search.storage import STORAGE_ENV, mask_url
+from loader_search.storage import STORAGE_ENV, mask_url, scrub_urls
 
 if TYPE_CHECKING:
     from loader_search.params import LoaderParams
@@ -70,9 +70,9 @@ CpusOption = Annotated[
     typer.Option(
         "--cpus",
         help=(
-            "Pin this process's trials to these CPUs (e.g. 0-7 or 0,2,4). With --gpu on a GPU"
-            " machine, lets pinned workers with disjoint sets train side by side; otherwise"
-            " one trial runs per host at a time."
+            "Pin this process's trials to these CPUs (e.g. 0-7 or 0,2,4). Pinned workers with"
+            " disjoint CPU sets (and, on a GPU machine, each its own --gpu) train side by side;"
+            " unpinned, one trial runs per host at a time."
         ),
         show_default=False,
     ),
@@ -139,6 +139,18 @@ def _reports_errors(command: F) -> F:
                 " and uses no budget; run the same command again to continue the study."
             )
             raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:
+            # Not a known case (a database down for longer than the retries, say): still one
+            # line, without any password; --debug shows where it came from.
+            _debug_traceback()
+            line = scrub_urls(f"{type(exc).__name__}: {str(exc).strip()}".splitlines()[0])
+            err_console.print(
+                f"[red]error:[/] {escape(line)} (run with --debug for the traceback)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -202,15 +214,16 @@ def run(
 
     reporter = RichReporter(console)
     try:
-        summary = run_study(
-            cfg,
-            storage=storage,
-            n_trials=n_trials,
-            reporter=reporter,
-            cpus=pinned,
-            gpu=gpu,
-            allow_mixed_hardware=allow_mixed_hardware,
-        )
+        with _sigterm_as_interrupt():
+            summary = run_study(
+                cfg,
+                storage=storage,
+                n_trials=n_trials,
+                reporter=reporter,
+                cpus=pinned,
+                gpu=gpu,
+                allow_mixed_hardware=allow_mixed_hardware,
+            )
     finally:
         reporter.close()
     print_summary(summary)

@@ -328,22 +328,25 @@ def run_isolated(
     return _Supervisor(limits).run(workload, params, settings, device_text, cpus, gpu)
 
 
-_WARM: set[int] = set()
+_WARM: dict[int, Workload] = {}  # holds each workload, so that its id() is never reused
 
 
 def _warm_up(workload: Workload) -> None:
-    """Build the workload's model and optimizer once in this (parent) process.
+    """Build the workload's optimizer once in this (parent) process, on a dummy parameter.
 
     Whatever a trial imports lazily is then inherited by every forked child instead of being
     imported again in each: torch's first optimizer imports ``torch._dynamo``, about 1 s on a
     2-core CPU, which every trial of a study paid before this (a quarter of a quickstart
-    trial). Only construction runs here, on the CPU: no training, no CUDA.
+    trial). The model is not built here: user code that touched CUDA in the parent would
+    break every forked trial. A failure is left to the trial, which classifies it.
     """
     if id(workload) in _WARM:
         return
-    model = workload.make_model()
-    workload.make_optimizer(model.parameters(), 0.01)
-    _WARM.add(id(workload))
+    _WARM[id(workload)] = workload
+    import torch
+
+    with contextlib.suppress(Exception):
+        workload.make_optimizer([torch.nn.Parameter(torch.zeros(1))], 0.01)
 
 
 def _allowed_cpus() -> set[int]:
@@ -411,8 +414,11 @@ class _Supervisor:
         try:
             with warnings.catch_warnings():
                 # Python 3.12+ warns about fork in a multi-threaded process. The child only
-                # trains (no lock a parent thread may hold is needed) and OpenMP's threads
-                # were released above; DataLoader workers are forked the same way.
+                # trains: it never touches the database (whose pool locks the heartbeat and
+                # sweeper threads take), CPython re-creates its import and logging locks in
+                # the child, and OpenMP's threads were released above. A lock held by a
+                # parent thread that the training still needs (a print racing the
+                # reporter's, say) would end in the trial's timeout, not a hang.
                 warnings.filterwarnings("ignore", ".*fork.*", DeprecationWarning)
                 process.start()
             # Also set from here: the group must exist before any kill, whoever runs first.

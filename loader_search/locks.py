@@ -26,17 +26,22 @@ from pathlib import Path
 from typing import IO
 
 import sqlalchemy
+import sqlalchemy.exc
 from sqlalchemy.engine import Engine
+
+from loader_search.errors import StudyAborted
 
 LOCK_DIR_ENV = "LOADER_SEARCH_LOCK_DIR"
 
 
 def lock_dir() -> Path:
-    """Where host locks live: ``$LOADER_SEARCH_LOCK_DIR``, else a folder in the system's temp
-    directory shared by every user of the machine. Containers on one host must mount the same
-    folder there to see each other's trials."""
+    """Where host locks live: ``$LOADER_SEARCH_LOCK_DIR``, else ``/tmp/loader-search-locks``,
+    shared by every user of the machine. Not ``$TMPDIR``: schedulers such as Slurm give each
+    job its own, which would hide the jobs' trials from each other. Containers on one host
+    must mount the same folder there to see each other's trials."""
     configured = os.environ.get(LOCK_DIR_ENV)
-    path = Path(configured) if configured else Path(tempfile.gettempdir()) / "loader-search-locks"
+    shared = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
+    path = Path(configured) if configured else shared / "loader-search-locks"
     if not path.is_dir():
         path.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):  # another user's folder: leave its mode alone
@@ -45,8 +50,12 @@ def lock_dir() -> Path:
 
 
 def _open_lock_file(path: Path) -> IO[bytes]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    return os.fdopen(fd, "r+b")
+    """Read-only (``flock`` needs no more), and readable by every user: another user's
+    worker on this machine must be able to open the same lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    with contextlib.suppress(OSError):  # only the owner may; the umask may have narrowed it
+        os.fchmod(fd, 0o666)
+    return os.fdopen(fd, "rb")
 
 
 def _flock(
@@ -95,6 +104,10 @@ def host_lock(
             handle.close()  # closing releases the flock
 
 
+class StudyLockTimeout(StudyAborted):
+    """The study lock stayed taken too long (a worker stuck while holding it)."""
+
+
 def _lock_key(study_id: int) -> int:
     """A signed 64-bit key for ``pg_advisory_lock``, private to loader-search studies."""
     digest = hashlib.sha256(f"loader-search-study-{study_id}".encode()).digest()
@@ -108,6 +121,10 @@ _MEMORY_LOCKS: dict[str, threading.Lock] = {}
 def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> Iterator[None]:
     """Serialise "count the budget, take the next trial" between every worker of a study."""
     backend = engine.url.get_backend_name()
+    waited = (
+        f"waited {timeout_s:.0f} s for study #{study_id}'s lock, which another worker holds;"
+        " if no worker is stuck, try again"
+    )
     if backend == "postgresql":
         with engine.connect() as connection:
             key = _lock_key(study_id)
@@ -115,7 +132,12 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
                 sqlalchemy.text("SELECT set_config('lock_timeout', :ms, true)"),
                 {"ms": f"{int(timeout_s * 1000)}ms"},
             )
-            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            try:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            except sqlalchemy.exc.OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_timeout
+                    raise StudyLockTimeout(waited) from None
+                raise
             connection.commit()
             try:
                 yield
@@ -129,7 +151,7 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
                 {"name": name, "timeout": int(timeout_s)},
             ).scalar()
             if got != 1:
-                raise TimeoutError(f"waited {timeout_s:.0f} s for the study lock {name}")
+                raise StudyLockTimeout(waited)
             try:
                 yield
             finally:
@@ -140,9 +162,17 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
             with _MEMORY_LOCKS.setdefault(str(engine.url), threading.Lock()):
                 yield
             return
-        with _open_lock_file(Path(f"{database}.loader-search.lock")) as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
+        # A POSIX record lock (lockf), not flock: a trial forked while this thread holds it
+        # must not inherit it (flock locks belong to the open file, which the child shares).
+        # Record locks do not exclude threads of one process: the thread lock does that.
+        path = f"{database}.loader-search.lock"
+        with _MEMORY_LOCKS.setdefault(path, threading.Lock()):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the record lock
 
 
 def _release(connection: sqlalchemy.Connection, statement: str, params: dict[str, object]) -> None:

@@ -13,8 +13,9 @@ inherits the dead trial's system attributes, constraints included.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import optuna
@@ -34,6 +35,7 @@ INFERRED_OOM = "inferred_oom"  # a failure_reason: not trained, see `known_failu
 CONSTRAINT = "feasible"  # the constraint's name: > 0 means infeasible
 INFEASIBLE_VALUES = (0.0, math.inf)  # placeholder objective values of an infeasible trial
 OOM_REASONS = ("cuda_oom", HOST_OOM, INFERRED_OOM)
+LOST = "lost"  # a failure_reason shown, never stored: see `record`
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,38 @@ def record(
     *,
     inferred_from: int | None = None,
     retry_s: float = 300.0,
+    on_retry: Callable[[BaseException, float], None] | None = None,
 ) -> Recorded:
     """Store ``outcome`` on ``trial`` and finish it. Every write is retried while the
-    database is unreachable, so a result measured during a database restart is kept."""
+    database is unreachable, so a result measured during a database restart is kept.
 
+    Should a sweeper have failed the trial meanwhile (an outage longer than the grace
+    period, so its heartbeats stopped), the result cannot be stored: the trial's retry
+    measures it again, and the returned record says so."""
+    try:
+        return _record(study, trial, outcome, inferred_from, retry_s, on_retry)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        lost = TrialFailure(
+            reason=LOST,
+            message=(
+                "the result could not be stored: the trial was failed as stale while the"
+                " database was unreachable, and its retry will measure it again"
+            ),
+            hint="raise [workers] grace_period_s above the longest database outage you expect",
+        )
+        return Recorded(TrialState.FAIL, False, None, lost)
+
+
+def _record(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    outcome: TrialOutcome,
+    inferred_from: int | None,
+    retry_s: float,
+    on_retry: Callable[[BaseException, float], None] | None,
+) -> Recorded:
     def write(key: str, value: object) -> None:
-        retrying(lambda: trial.set_user_attr(key, value), deadline_s=retry_s)
+        retrying(lambda: trial.set_user_attr(key, value), deadline_s=retry_s, on_retry=on_retry)
 
     failure = outcome.failure
     if outcome.result is not None:
@@ -118,30 +146,38 @@ def record(
             write(INFERRED_FROM, inferred_from)
     if failure is None or failure.infeasible:
         infeasible = failure is not None
-        _set_constraint(trial, 1.0 if infeasible else 0.0, retry_s)
+        _set_constraint(trial, 1.0 if infeasible else 0.0, retry_s, on_retry)
         if outcome.result is not None and not infeasible:
             values = (outcome.result.throughput_samples_per_s, outcome.result.val_loss)
         else:
             values = INFEASIBLE_VALUES
-        tell(study, trial, TrialState.COMPLETE, values, retry_s)
+        tell(study, trial, TrialState.COMPLETE, values, retry_s, on_retry)
         return Recorded(TrialState.COMPLETE, infeasible, values, failure)
-    tell(study, trial, TrialState.FAIL, None, retry_s)
+    tell(study, trial, TrialState.FAIL, None, retry_s, on_retry)
     return Recorded(TrialState.FAIL, False, None, failure)
 
 
 def record_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
-    """Ctrl-C: the trial gave no result and is not left RUNNING."""
-    retrying(lambda: trial.set_user_attr(FAILURE_REASON, INTERRUPTED), deadline_s=10)
-    tell(study, trial, TrialState.FAIL, None, 10)
+    """Ctrl-C: the trial gave no result and is not left RUNNING. Best effort (10 s): with
+    the database down, the user's Ctrl-C still ends the process, and a sweeper fails the
+    trial later."""
+    with contextlib.suppress(Exception):
+        retrying(lambda: trial.set_user_attr(FAILURE_REASON, INTERRUPTED), deadline_s=10)
+        tell(study, trial, TrialState.FAIL, None, 10)
 
 
-def _set_constraint(trial: optuna.Trial, value: float, retry_s: float) -> None:
+def _set_constraint(
+    trial: optuna.Trial,
+    value: float,
+    retry_s: float,
+    on_retry: Callable[[BaseException, float], None] | None,
+) -> None:
     def write() -> None:
         # First write wins in Optuna; a retry after a lost acknowledgement must not warn.
         if CONSTRAINT not in trial.storage.get_trial(trial._trial_id).constraints:
             trial.set_constraint(CONSTRAINT, value)
 
-    retrying(write, deadline_s=retry_s)
+    retrying(write, deadline_s=retry_s, on_retry=on_retry)
 
 
 def tell(
@@ -150,6 +186,7 @@ def tell(
     state: TrialState,
     values: tuple[float, float] | None,
     retry_s: float,
+    on_retry: Callable[[BaseException, float], None] | None = None,
 ) -> None:
     """``study.tell``, retried; a retry that finds the trial already finished (the first
     try committed, its answer was lost) is success."""
@@ -159,7 +196,12 @@ def tell(
             study.tell(trial, values=list(values) if values else None, state=state)
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
             stored = study._storage.get_trial(trial._trial_id)
-            if stored.state != state:
-                raise
+            if stored.state == state:
+                return
+            if stored.state.is_finished():  # finished by someone else: a sweeper
+                raise optuna.exceptions.UpdateFinishedTrialError(
+                    f"trial #{trial.number} is already {stored.state.name}"
+                ) from None
+            raise
 
-    retrying(once, deadline_s=retry_s)
+    retrying(once, deadline_s=retry_s, on_retry=on_retry)

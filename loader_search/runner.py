@@ -41,14 +41,15 @@ from loader_search.storage import mask_url, open_storage, resolve_storage_url
 from loader_search.system import resolve_device, shm_bytes, usable_cpus
 from loader_search.trial import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.worker import (
-    MIXED_HARDWARE_ATTR,
     STUDY_HARDWARE_ATTR,
     NullReporter,
     Reporter,
+    RetryStaleTrial,
     Session,
     StudyInfo,
     TrialEvent,
     count_finished,
+    hardware_mismatch,
     work,
 )
 from loader_search.workloads import Workload, load_workload
@@ -183,18 +184,13 @@ def _seed_offset(study: optuna.Study) -> int:
 
 
 def _check_hardware(study: optuna.Study, hardware: Hardware, allow_mixed: bool) -> list[str]:
-    """A study is bound to the hardware class of its first trial (see `worker`)."""
+    """Refuse early (before the workload is built) a machine of another class than the
+    study's first trial; the worker checks again under the study lock before each trial."""
     bound = study.user_attrs.get(STUDY_HARDWARE_ATTR)
     if bound is None or bound == hardware.hardware_class:
         return []
     if not allow_mixed:
-        raise UserError(
-            f"study {study.study_name!r} measures hardware class {bound}, but this machine is"
-            f" {hardware.hardware_class} ({hardware.describe()}): its throughputs would not"
-            " compare. Run on matching hardware, or pass --allow-mixed-hardware (results are"
-            " then reported per hardware class)"
-        )
-    study.set_user_attr(MIXED_HARDWARE_ATTR, True)
+        raise hardware_mismatch(study.study_name, bound, hardware)
     return [
         f"mixed hardware: this machine is {hardware.hardware_class}, the study's first"
         f" trials ran on {bound}; results are reported per class"
@@ -271,8 +267,18 @@ def run_study(
             config, workload, storage, n_trials, reporter, hardware, allow_mixed_hardware
         )
         reporter.study_started(info)
-        budget = info.budget
-        session = Session(study, config, workload, space, device, hardware, budget, cpus, gpu)
+        session = Session(
+            study,
+            config,
+            workload,
+            space,
+            device,
+            hardware,
+            info.budget,
+            cpus,
+            gpu,
+            allow_mixed_hardware,
+        )
         work(session, reporter, timeout_s=config.timeout_s)
         return _summary(study, config.loss_tolerance, hardware)
 
@@ -327,7 +333,9 @@ def _create_or_continue(
 
     shown = mask_url(url)
     reporter.preparing(f"opening storage {shown}")
-    rdb = open_storage(url, heartbeat=config.heartbeat)
+    rdb = open_storage(
+        url, heartbeat=config.heartbeat, on_stale=RetryStaleTrial(config.heartbeat.max_retry)
+    )
     study, created = _open_study(rdb, name, config, fingerprint)
     notes = list(space.notes)
     if hardware is not None:
@@ -429,8 +437,10 @@ def run_worker(
         url = resolve_storage_url(storage)
         shown = mask_url(url)
         reporter.preparing(f"opening storage {shown}")
-        study = load_existing_study(open_storage(url, must_exist=True), study_name, shown)
+        plain = open_storage(url, must_exist=True)
+        study = load_existing_study(plain, study_name, shown)
         config = config or stored_config(study)
+        plain.engine.dispose()  # opened again below, with the study's heartbeat settings
         device = resolve_device(_pin(cpus, gpu, config.device))
         ncpus = usable_cpus()
         space = config.space.resolve(ncpus, cuda=device.type == "cuda")
@@ -442,7 +452,12 @@ def run_worker(
         space = _fit_to_machine(space, workload)
         notes = list(space.notes) + mixed_notes
         # Again, now with heartbeats on (their settings are the study's).
-        rdb = open_storage(url, must_exist=True, heartbeat=config.heartbeat)
+        rdb = open_storage(
+            url,
+            must_exist=True,
+            heartbeat=config.heartbeat,
+            on_stale=RetryStaleTrial(config.heartbeat.max_retry),
+        )
         study = optuna.load_study(study_name=study_name, storage=rdb)
         study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
         budget = int(study.user_attrs.get(BUDGET_ATTR, config.trials))
@@ -460,7 +475,18 @@ def run_worker(
                 notes=tuple(notes),
             )
         )
-        session = Session(study, config, workload, space, device, hardware, budget, cpus, gpu)
+        session = Session(
+            study,
+            config,
+            workload,
+            space,
+            device,
+            hardware,
+            budget,
+            cpus,
+            gpu,
+            allow_mixed_hardware,
+        )
         work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
         tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, config.loss_tolerance))
         return _summary(study, tolerance, hardware)

@@ -80,6 +80,14 @@ def mask_url(url: str) -> str:
         return "<unparsable storage URL>"
 
 
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s]+@")
+
+
+def scrub_urls(text: str) -> str:
+    """Mask the password of any URL inside free text (an unexpected error's message)."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
 def _mask_in(text: str, url: str) -> str:
     """Remove any password from a driver's message, should it quote one."""
     try:
@@ -112,13 +120,18 @@ class Heartbeat:
 
 
 def open_storage(
-    url: str, *, must_exist: bool = False, heartbeat: Heartbeat | None = None
+    url: str,
+    *,
+    must_exist: bool = False,
+    heartbeat: Heartbeat | None = None,
+    on_stale: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
 ) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage for ``url``, creating the schema if the database is empty.
 
     With ``must_exist`` the database must already hold the schema (for commands that only
     read, and for workers joining a study): nothing is created. ``heartbeat`` turns on
-    Optuna's heartbeats and the retry of stale trials. Every failure a user can fix
+    Optuna's heartbeats; ``on_stale`` is called with each trial failed as stale (default:
+    Optuna's retry, ``heartbeat.max_retry`` times). Every failure a user can fix
     (malformed URL, missing driver, unreachable server, wrong credentials, a file that is
     not a database, a schema of another Optuna version) becomes a one-line `UserError` that
     shows the URL masked.
@@ -155,9 +168,8 @@ def open_storage(
         heartbeat_kwargs = {
             "heartbeat_interval": heartbeat.interval_s,
             "grace_period": heartbeat.grace_period_s,
-            "heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(
-                max_retry=heartbeat.max_retry
-            ),
+            "heartbeat_stale_trial_callback": on_stale
+            or optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=heartbeat.max_retry),
         }
     try:
         with warnings.catch_warnings():
@@ -217,6 +229,8 @@ def _check_schema(storage: optuna.storages.RDBStorage, shown: str) -> None:
 
 T = TypeVar("T")
 
+_LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock_timeout
+
 # Errors that mean "the database is unreachable for now", not "the request is wrong".
 _TRANSIENT = (
     sqlalchemy.exc.OperationalError,
@@ -231,8 +245,12 @@ def is_transient(exc: BaseException) -> bool:
     from optuna.exceptions import StorageInternalError
 
     if isinstance(exc, StorageInternalError):
-        return isinstance(exc.__cause__, _TRANSIENT)
-    return isinstance(exc, _TRANSIENT)
+        exc = exc.__cause__  # type: ignore[assignment]
+    if not isinstance(exc, _TRANSIENT):
+        return False
+    # A lock wait that timed out (PostgreSQL's lock_timeout) is no outage: retrying would
+    # only wait again.
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) != _LOCK_NOT_AVAILABLE
 
 
 def retrying(

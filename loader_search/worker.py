@@ -19,11 +19,13 @@ Many workers on many machines share one study and one trial budget. What keeps t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,7 +34,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.config import StudyConfig
-from loader_search.errors import StudyAborted
+from loader_search.errors import StudyAborted, UserError
 from loader_search.hardware import Hardware
 from loader_search.isolation import INTERRUPTED, TrialOutcome, run_isolated
 from loader_search.locks import host_lock, study_lock
@@ -46,6 +48,7 @@ from loader_search.objective import (
 from loader_search.params import LoaderParams
 from loader_search.recommend import (
     BASELINE_ATTR,
+    BUDGET_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     PARAMS_ATTR,
@@ -56,6 +59,13 @@ from loader_search.storage import retrying
 from loader_search.workloads import Workload
 
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+RETRY_HISTORY = "retry_history"  # system attribute of a retried trial (as Optuna names it)
+_KEPT_ON_RETRY = frozenset({BASELINE_ATTR})  # what a retry copies of the dead trial's attrs
+
+# Warnings about what this module does on purpose; set once, as `warnings.catch_warnings`
+# is not thread-safe and the sweeper and heartbeat threads run beside the main one.
+warnings.filterwarnings("ignore", ".*fail_stale_trials is experimental", Warning)
+warnings.filterwarnings("ignore", "Heartbeat of storage is supposed", UserWarning)
 STUDY_HARDWARE_ATTR = "hardware_class"  # study attribute: the class of its first trial
 MIXED_HARDWARE_ATTR = "mixed_hardware"  # study attribute: classes other than the first ran
 
@@ -141,9 +151,10 @@ class Session:
     space: ResolvedSpace
     device: torch.device
     hardware: Hardware
-    budget: int
+    budget: int  # as the study stored it when this worker started; re-read before each trial
     cpus: Sequence[int] | None = None
     gpu: int | None = None
+    allow_mixed_hardware: bool = False
 
 
 def uses_budget(trial: FrozenTrial) -> bool:
@@ -163,7 +174,46 @@ def uses_budget(trial: FrozenTrial) -> bool:
 
 
 def count_used(trials: Sequence[FrozenTrial], states: Sequence[TrialState]) -> int:
-    return sum(uses_budget(t) for t in trials if t.state in states)
+    """Trials in ``states`` that used the budget. A failed trial that was queued again (its
+    worker died) is not counted, whatever it recorded before dying: its retry is."""
+    retried = {n for t in trials for n in t.system_attrs.get(RETRY_HISTORY, ())}
+    return sum(
+        uses_budget(t)
+        for t in trials
+        if t.state in states and not (t.state == TrialState.FAIL and t.number in retried)
+    )
+
+
+class RetryStaleTrial:
+    """Queue a stale trial (its worker died) again with the same settings, at most
+    ``max_retry`` times: Optuna's `RetryHeartbeatStaleTrialCallback`, except that the copy
+    does not inherit what the dead trial may have half-recorded (measurements, a failure
+    reason, its ``constraints:*``), which would make a successful retry look infeasible."""
+
+    def __init__(self, max_retry: int) -> None:
+        self.max_retry = max_retry
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        history = [*trial.system_attrs.get(RETRY_HISTORY, ()), trial.number]
+        if len(history) > self.max_retry:
+            return
+        system_attrs = {
+            key: value
+            for key, value in trial.system_attrs.items()
+            if not key.startswith("constraints")
+        }
+        system_attrs.setdefault("failed_trial", trial.number)  # the first one, as Optuna's
+        system_attrs[RETRY_HISTORY] = history
+        user_attrs = {k: v for k, v in trial.user_attrs.items() if k in _KEPT_ON_RETRY}
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=TrialState.WAITING,
+                params=trial.params,
+                distributions=trial.distributions,
+                user_attrs=user_attrs,
+                system_attrs=system_attrs,
+            )
+        )
 
 
 def count_finished(study: optuna.Study) -> int:
@@ -187,9 +237,27 @@ def ensure_baseline(study: optuna.Study, space: ResolvedSpace, batch_size: int) 
         study.enqueue_trial(space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+class _Health:
+    """When this process last failed to reach the database, shared by its threads.
+
+    After an outage every live trial's heartbeat is old; a sweeper that ran at once would
+    fail trials that are still training. So a sweep waits until the database has answered
+    for a whole grace period, and the heartbeat threads have beaten again meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._last_error = -math.inf
+
+    def failed(self) -> None:
+        self._last_error = time.monotonic()  # one float assignment: atomic under the GIL
+
+    def quiet_for(self) -> float:
+        return time.monotonic() - self._last_error
+
+
+def fail_stale_trials(study: optuna.Study, health: _Health, grace_period_s: float) -> None:
+    """Fail (and queue again) trials whose worker died; call under the study lock."""
+    if health.quiet_for() >= grace_period_s:
         optuna.storages.fail_stale_trials(study)
 
 
@@ -199,12 +267,17 @@ class _Every(threading.Thread):
     it still trains)."""
 
     def __init__(
-        self, interval_s: float, action: Callable[[], None], on_error: Callable[[str], None]
+        self,
+        interval_s: float,
+        action: Callable[[], None],
+        on_error: Callable[[str], None],
+        health: _Health,
     ) -> None:
         super().__init__(daemon=True)
         self._interval_s = interval_s
         self._action = action
         self._on_error = on_error
+        self._health = health
         self._stop_event = threading.Event()
         self._failing = False
 
@@ -213,8 +286,9 @@ class _Every(threading.Thread):
             try:
                 self._action()
             except Exception as exc:
+                self._health.failed()
                 if not self._failing:  # once per outage, not every beat
-                    self._on_error(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                    self._on_error(f"{type(exc).__name__}: {_first_line(exc)}")
                 self._failing = True
             else:
                 self._failing = False
@@ -223,7 +297,13 @@ class _Every(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
-        self.join()
+        # Bounded: a thread stuck in a database call must not hang Ctrl-C (it is a daemon).
+        self.join(timeout=10)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _engine(study: optuna.Study) -> Any:
@@ -232,39 +312,74 @@ def _engine(study: optuna.Study) -> Any:
     return getattr(storage, "_backend", storage).engine
 
 
-def _take_trial(session: Session, reporter: Reporter) -> tuple[optuna.Trial, LoaderParams] | None:
-    """Under the study lock: sweep stale trials, check the budget, take the next trial and
-    its settings. None when the budget is used up."""
+def _take_trial(
+    session: Session, health: _Health, reporter: Reporter
+) -> tuple[optuna.Trial, LoaderParams] | None:
+    """Under the study lock: sweep stale trials, check the budget (as stored now: `init`
+    or `run --n-trials` elsewhere may have changed it) and the hardware binding, and take
+    the next trial with its settings. None when the budget is used up.
+
+    The trial gets its first heartbeat at once: a RUNNING trial with no heartbeat would
+    never be found stale. Should anything fail between taking it and returning it, it is
+    failed without a reason (no budget used) rather than left RUNNING.
+    """
     study = session.study
+    grace = session.config.heartbeat.grace_period_s
     with study_lock(_engine(study), study._study_id):
-        fail_stale_trials(study)
+        fail_stale_trials(study, health, grace)
+        attrs = study.user_attrs
+        _bind_hardware(session, attrs, reporter)
+        budget = int(attrs.get(BUDGET_ATTR, session.budget))
         trials = study.get_trials(deepcopy=False)
         queued = any(t.state == TrialState.WAITING for t in trials)
         if not queued:
             used = count_used(trials, (*FINISHED_STATES, TrialState.RUNNING))
-            if used >= session.budget:
+            if used >= budget:
                 return None
             if session.config.sampler.name == "grid" and not _combinations_left(
                 trials, session.space
             ):
                 return None
             ensure_baseline(study, session.space, session.config.training.base_batch_size)
-        if STUDY_HARDWARE_ATTR not in study.user_attrs:
-            study.set_user_attr(STUDY_HARDWARE_ATTR, session.hardware.hardware_class)
-        with warnings.catch_warnings():
-            # Optuna warns that heartbeats are meant for study.optimize: this module writes
-            # them itself (see the module docstring).
-            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-            trial = study.ask()
-        with warnings.catch_warnings():
-            if trial.user_attrs.get(BASELINE_ATTR):
-                # The baseline (num_workers=0) may sit outside a searched range on purpose.
-                warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
-            params = session.space.suggest(trial)
-        trial.set_user_attr(PARAMS_ATTR, params.as_dict())
-        trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
-        trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
+        trial = study.ask()
+        try:
+            study._storage.record_heartbeat(trial._trial_id)  # type: ignore[attr-defined]
+            with warnings.catch_warnings():  # main thread only
+                if trial.user_attrs.get(BASELINE_ATTR):
+                    # The baseline (num_workers=0) may sit outside a searched range.
+                    warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+                params = session.space.suggest(trial)
+            trial.set_user_attr(PARAMS_ATTR, params.as_dict())
+            trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
+            trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                study.tell(trial, state=TrialState.FAIL)
+            raise
     return trial, params
+
+
+def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserError:
+    return UserError(
+        f"study {study_name!r} measures hardware class {bound}, but this machine is"
+        f" {hardware.hardware_class} ({hardware.describe()}): its throughputs would not"
+        " compare. Run on matching hardware, or pass --allow-mixed-hardware (results are then"
+        " reported per hardware class)"
+    )
+
+
+def _bind_hardware(session: Session, attrs: Mapping[str, Any], reporter: Reporter) -> None:
+    """Bind a new study to this worker's hardware class, or check this worker against it
+    (under the study lock: two workers of different classes may start on a fresh study)."""
+    mine = session.hardware.hardware_class
+    bound = attrs.get(STUDY_HARDWARE_ATTR)
+    if bound is None:
+        session.study.set_user_attr(STUDY_HARDWARE_ATTR, mine)
+    elif bound != mine:
+        if not session.allow_mixed_hardware:
+            raise hardware_mismatch(session.study.study_name, bound, session.hardware)
+        if not attrs.get(MIXED_HARDWARE_ATTR):
+            session.study.set_user_attr(MIXED_HARDWARE_ATTR, True)
 
 
 def work(
@@ -281,10 +396,12 @@ def work(
     the running trial as interrupted) on Ctrl-C.
     """
     interval = session.config.heartbeat.interval_s
+    health = _Health()
     sweeper = _Every(
         interval,
-        lambda: _sweep(session),
+        lambda: _sweep(session, health),
         lambda error: reporter.warning(f"cannot sweep stale trials: {error}"),
+        health,
     )
     sweeper.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -299,15 +416,13 @@ def work(
                 on_wait=lambda: reporter.preparing("waiting for the trial training on this host"),
             ):
                 taken = retrying(
-                    lambda: _take_trial(session, reporter),
-                    on_retry=lambda exc, pause: reporter.warning(
-                        f"database unreachable ({type(exc).__name__}); retrying in {pause:.0f} s"
-                    ),
+                    lambda: _take_trial(session, health, reporter),
+                    on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
                 )
                 if taken is None:
                     break
                 trial, params = taken
-                recorded = _run_one(session, reporter, trial, params)
+                recorded = _run_one(session, health, reporter, trial, params)
             ran += 1
             if recorded.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR):
                 message = recorded.failure.message if recorded.failure else "failed"
@@ -320,14 +435,23 @@ def work(
     return ran
 
 
-def _sweep(session: Session) -> None:
+def _unreachable(health: _Health, reporter: Reporter, exc: BaseException, pause: float) -> None:
+    health.failed()
+    reporter.warning(f"database unreachable ({type(exc).__name__}); retrying in {pause:.0f} s")
+
+
+def _sweep(session: Session, health: _Health) -> None:
     study = session.study
     with study_lock(_engine(study), study._study_id):
-        fail_stale_trials(study)
+        fail_stale_trials(study, health, session.config.heartbeat.grace_period_s)
 
 
 def _run_one(
-    session: Session, reporter: Reporter, trial: optuna.Trial, params: LoaderParams
+    session: Session,
+    health: _Health,
+    reporter: Reporter,
+    trial: optuna.Trial,
+    params: LoaderParams,
 ) -> Recorded:
     study = session.study
     storage = study._storage
@@ -335,12 +459,18 @@ def _run_one(
         session.config.heartbeat.interval_s,
         lambda: storage.record_heartbeat(trial._trial_id),  # type: ignore[attr-defined]
         lambda error: reporter.warning(f"cannot write trial #{trial.number}'s heartbeat: {error}"),
+        health,
     )
     heartbeat.start()
     started = time.perf_counter()
     reporter.trial_started(trial.number, params)
     try:
-        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        trials = retrying(
+            lambda: study.get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)
+            ),
+            on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+        )
         inferred = known_failure(trials, params, session.hardware.hardware_class)
         try:
             if inferred is not None:
@@ -362,10 +492,20 @@ def _run_one(
             outcome = dataclasses.replace(
                 outcome, failure=dataclasses.replace(outcome.failure, infeasible=False)
             )
-        recorded = record(study, trial, outcome, inferred_from=inferred[1] if inferred else None)
+        recorded = record(
+            study,
+            trial,
+            outcome,
+            inferred_from=inferred[1] if inferred else None,
+            on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+        )
     finally:
         heartbeat.stop()
-    reporter.trial_finished(_event(session, trial, params, recorded, started))
+    event = retrying(
+        lambda: _event(session, trial, params, recorded, started),
+        on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+    )
+    reporter.trial_finished(event)
     return recorded
 
 
