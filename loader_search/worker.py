@@ -352,6 +352,9 @@ def _take_trial(
             trial.set_user_attr(PARAMS_ATTR, params.as_dict())
             trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
             trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
+        except KeyboardInterrupt:
+            record_interrupted(study, trial)
+            raise
         except BaseException:
             with contextlib.suppress(Exception):
                 study.tell(trial, state=TrialState.FAIL)
@@ -461,31 +464,26 @@ def _run_one(
         lambda error: reporter.warning(f"cannot write trial #{trial.number}'s heartbeat: {error}"),
         health,
     )
-    heartbeat.start()
     started = time.perf_counter()
-    reporter.trial_started(trial.number, params)
     try:
+        heartbeat.start()
+        reporter.trial_started(trial.number, params)
+        ended = (TrialState.COMPLETE, TrialState.FAIL)
         trials = retrying(
-            lambda: study.get_trials(
-                deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)
-            ),
+            lambda: study.get_trials(deepcopy=False, states=ended),
             on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
         )
         inferred = known_failure(trials, params, session.hardware.hardware_class)
-        try:
-            if inferred is not None:
-                outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
-            else:
-                outcome = run_isolated(
-                    session.workload,
-                    params,
-                    session.config.training,
-                    session.device,
-                    limits=session.config.limits,
-                )
-        except KeyboardInterrupt:
-            record_interrupted(study, trial)
-            raise
+        if inferred is not None:
+            outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
+        else:
+            outcome = run_isolated(
+                session.workload,
+                params,
+                session.config.training,
+                session.device,
+                limits=session.config.limits,
+            )
         if outcome.failure and outcome.failure.infeasible and trial.user_attrs.get(BASELINE_ATTR):
             # The plainest loader does not train (it diverged or ran out of memory): that is
             # no region for the sampler to avoid but a broken workload; the study stops.
@@ -499,6 +497,11 @@ def _run_one(
             inferred_from=inferred[1] if inferred else None,
             on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
         )
+    except KeyboardInterrupt:
+        # Whenever Ctrl-C lands (before, during or after the training), the trial ends
+        # interrupted; if its outcome was already stored, this changes nothing.
+        record_interrupted(study, trial)
+        raise
     finally:
         heartbeat.stop()
     event = retrying(
