@@ -214,7 +214,7 @@ def run(
 
     reporter = RichReporter(console)
     try:
-        with _sigterm_as_interrupt():
+        with _interrupts():
             summary = run_study(
                 cfg,
                 storage=storage,
@@ -306,7 +306,7 @@ def worker(
 
     reporter = RichReporter(console)
     try:
-        with _sigterm_as_interrupt():
+        with _interrupts():
             summary = run_worker(
                 study,
                 storage=storage,
@@ -323,17 +323,23 @@ def worker(
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """`docker stop` and schedulers send SIGTERM: end the running trial as on Ctrl-C."""
+def _interrupts() -> Iterator[None]:
+    """Ctrl-C and SIGTERM (`docker stop`, schedulers) end the running trial as interrupted.
+    Besides raising KeyboardInterrupt, the handler sets a flag the trial loop checks, as
+    Python drops a KeyboardInterrupt that lands in a finalizer."""
+    from loader_search.isolation import STOP_REQUESTED
 
     def interrupt(signum: int, frame: object) -> None:
+        STOP_REQUESTED.set()
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        STOP_REQUESTED.clear()
 
 
 @app.command()

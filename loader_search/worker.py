@@ -36,7 +36,7 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search.config import StudyConfig
 from loader_search.errors import StudyAborted, UserError
 from loader_search.hardware import Hardware
-from loader_search.isolation import INTERRUPTED, TrialOutcome, run_isolated
+from loader_search.isolation import INTERRUPTED, STOP_REQUESTED, TrialOutcome, run_isolated
 from loader_search.locks import host_lock, study_lock
 from loader_search.objective import (
     FAILURE_REASON,
@@ -312,9 +312,7 @@ def _engine(study: optuna.Study) -> Any:
     return getattr(storage, "_backend", storage).engine
 
 
-def _take_trial(
-    session: Session, health: _Health, reporter: Reporter
-) -> tuple[optuna.Trial, LoaderParams] | None:
+def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, LoaderParams] | None:
     """Under the study lock: sweep stale trials, check the budget (as stored now: `init`
     or `run --n-trials` elsewhere may have changed it) and the hardware binding, and take
     the next trial with its settings. None when the budget is used up.
@@ -328,7 +326,7 @@ def _take_trial(
     with study_lock(_engine(study), study._study_id):
         fail_stale_trials(study, health, grace)
         attrs = study.user_attrs
-        _bind_hardware(session, attrs, reporter)
+        _bind_hardware(session, attrs)
         budget = int(attrs.get(BUDGET_ATTR, session.budget))
         trials = study.get_trials(deepcopy=False)
         queued = any(t.state == TrialState.WAITING for t in trials)
@@ -371,7 +369,7 @@ def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserEr
     )
 
 
-def _bind_hardware(session: Session, attrs: Mapping[str, Any], reporter: Reporter) -> None:
+def _bind_hardware(session: Session, attrs: Mapping[str, Any]) -> None:
     """Bind a new study to this worker's hardware class, or check this worker against it
     (under the study lock: two workers of different classes may start on a fresh study)."""
     mine = session.hardware.hardware_class
@@ -411,6 +409,8 @@ def work(
     ran = 0
     try:
         while max_trials is None or ran < max_trials:
+            if STOP_REQUESTED.is_set():  # a Ctrl-C that Python swallowed (see isolation)
+                raise KeyboardInterrupt
             if deadline is not None and time.monotonic() >= deadline:
                 break
             with host_lock(
@@ -419,7 +419,7 @@ def work(
                 on_wait=lambda: reporter.preparing("waiting for the trial training on this host"),
             ):
                 taken = retrying(
-                    lambda: _take_trial(session, health, reporter),
+                    lambda: _take_trial(session, health),
                     on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
                 )
                 if taken is None:

@@ -306,7 +306,9 @@ def test_ctrl_c_on_a_worker_interrupts_its_trial(
     config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
     url = f"sqlite:///{tmp_path / 'team.db'}"
-    assert run_cli("init", str(config(3)), "--storage", url, env=env).returncode == 0
+    # Trials of a few seconds: the signal lands while one trains.
+    study_config = str(config(3, train_samples=8192))
+    assert run_cli("init", study_config, "--storage", url, env=env).returncode == 0
     worker = Worker(tmp_path, 0, ["tiny", "--storage", url], env)
 
     def training() -> bool:
