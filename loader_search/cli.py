@@ -324,14 +324,12 @@ def worker(
 
 @contextlib.contextmanager
 def _interrupts() -> Iterator[None]:
-    """Ctrl-C and SIGTERM (`docker stop`, schedulers) end the running trial as interrupted.
-    Besides raising KeyboardInterrupt, the handler sets a flag the trial loop checks, as
-    Python drops a KeyboardInterrupt that lands in a finalizer."""
-    from loader_search.isolation import STOP_REQUESTED
+    """Ctrl-C and SIGTERM (`docker stop`, schedulers) end the running trial as interrupted
+    (see `loader_search.interrupts`)."""
+    from loader_search.interrupts import STOP_REQUESTED, request_stop
 
     def interrupt(signum: int, frame: object) -> None:
-        STOP_REQUESTED.set()
-        raise KeyboardInterrupt
+        request_stop()
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

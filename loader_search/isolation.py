@@ -42,7 +42,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -52,6 +51,8 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 import psutil
+
+from loader_search import interrupts
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -114,11 +115,7 @@ PROGRESS_INTERVAL_S = 0.5  # the child reports progress at most this often
 MEMORY_POLL_S = 0.5  # reading PSS costs ~4 ms per process: not more often than this
 _POLL_S = 0.1  # the parent's wake-up interval while nothing arrives
 
-# Set by the CLI's SIGINT/SIGTERM handler (which also raises KeyboardInterrupt). Python drops
-# a KeyboardInterrupt raised while a finalizer or weakref callback runs ("Exception ignored
-# in ..."), so the supervisor also checks this flag at every poll, and the worker loop
-# between trials: a Ctrl-C is never lost.
-STOP_REQUESTED = threading.Event()
+
 _EXIT_GRACE_S = 10.0  # a child that sent its result gets this long to exit by itself
 
 
@@ -449,8 +446,7 @@ class _Supervisor:
         received_at = 0.0
         message: tuple[Any, ...] | None = None
         while message is None:
-            if STOP_REQUESTED.is_set():
-                raise KeyboardInterrupt
+            interrupts.check()  # Ctrl-C, at a safe point (see loader_search.interrupts)
             ready = wait([reader, process.sentinel], timeout=_POLL_S)
             now = time.perf_counter()
             if reader in ready:

@@ -29,9 +29,11 @@ import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import Engine
 
+from loader_search import interrupts
 from loader_search.errors import StudyAborted
 
 LOCK_DIR_ENV = "LOADER_SEARCH_LOCK_DIR"
+_LOCK_POLL_S = 0.1  # how often a waiting trial tries the host lock again
 
 
 def lock_dir() -> Path:
@@ -61,14 +63,17 @@ def _open_lock_file(path: Path) -> IO[bytes]:
 def _flock(
     handle: IO[bytes], mode: int, on_wait: Callable[[], None] | None, waited: list[bool]
 ) -> None:
-    """Take ``mode`` on ``handle``; if it is busy, say so once and block (Ctrl-C works)."""
-    try:
-        fcntl.flock(handle, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        if on_wait is not None and not waited:
-            on_wait()
-        waited.append(True)
-        fcntl.flock(handle, mode)
+    """Take ``mode`` on ``handle``; if it is busy, say so once and wait (polling, so that a
+    Ctrl-C is acted on: see `loader_search.interrupts`)."""
+    while True:
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if on_wait is not None and not waited:
+                on_wait()
+            waited.append(True)
+            interrupts.sleep(_LOCK_POLL_S)
 
 
 @contextlib.contextmanager

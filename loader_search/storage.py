@@ -21,6 +21,7 @@ import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import URL, make_url
 
+from loader_search import interrupts
 from loader_search.errors import UserError
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ def retrying(
                 raise
             if on_retry is not None:
                 on_retry(exc, pause)
-            time.sleep(pause)
+            interrupts.sleep(pause)  # Ctrl-C ends the wait
             pause = min(pause * 2, 10.0)
 
 

@@ -33,10 +33,11 @@ import optuna
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
+from loader_search import interrupts
 from loader_search.config import StudyConfig
 from loader_search.errors import StudyAborted, UserError
 from loader_search.hardware import Hardware
-from loader_search.isolation import INTERRUPTED, STOP_REQUESTED, TrialOutcome, run_isolated
+from loader_search.isolation import INTERRUPTED, TrialOutcome, run_isolated
 from loader_search.locks import host_lock, study_lock
 from loader_search.objective import (
     FAILURE_REASON,
@@ -407,10 +408,12 @@ def work(
     sweeper.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     ran = 0
-    try:
+    # Ctrl-C is acted on at safe points from here on (see loader_search.interrupts).
+    with contextlib.ExitStack() as stack:
+        stack.callback(sweeper.stop)
+        stack.enter_context(interrupts.deferred())
         while max_trials is None or ran < max_trials:
-            if STOP_REQUESTED.is_set():  # a Ctrl-C that Python swallowed (see isolation)
-                raise KeyboardInterrupt
+            interrupts.check()
             if deadline is not None and time.monotonic() >= deadline:
                 break
             with host_lock(
@@ -433,8 +436,6 @@ def work(
                     f"the baseline trial (#{trial.number}) failed: {message}. The workload"
                     " does not train with the plainest loader; fix it before searching"
                 )
-    finally:
-        sweeper.stop()
     return ran
 
 
@@ -467,6 +468,7 @@ def _run_one(
     started = time.perf_counter()
     try:
         heartbeat.start()
+        interrupts.check()  # a Ctrl-C while the trial was being taken
         reporter.trial_started(trial.number, params)
         ended = (TrialState.COMPLETE, TrialState.FAIL)
         trials = retrying(

@@ -1,0 +1,50 @@
+"""Ctrl-C and SIGTERM while trials run: stop at a safe point, never lose the request.
+
+A KeyboardInterrupt raised straight from a signal handler lands wherever the main thread
+happens to be, including inside a finalizer or a weakref callback (SQLAlchemy's class
+registry runs them while talking to the database), where Python prints "Exception ignored"
+and drops it: the worker would go on training. So while the trial loop runs (`deferred`),
+the handler only records the request (`request_stop`), and the loop raises KeyboardInterrupt
+at its safe points (`check`): every poll of the trial supervisor (0.1 s), every wait for a
+lock or a retry, and between the steps of a trial. Outside the loop (building the workload,
+opening the storage) the handler raises at once, as Python's default does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+STOP_REQUESTED = threading.Event()
+_deferred = False  # the main thread is in the trial loop
+
+
+def request_stop() -> None:
+    """For a SIGINT/SIGTERM handler (see the module docstring)."""
+    STOP_REQUESTED.set()
+    if not _deferred:
+        raise KeyboardInterrupt
+
+
+def check() -> None:
+    """A safe point: raise KeyboardInterrupt if a stop was requested."""
+    if STOP_REQUESTED.is_set():
+        raise KeyboardInterrupt
+
+
+def sleep(seconds: float) -> None:
+    """``time.sleep`` that ends early, with KeyboardInterrupt, when a stop is requested."""
+    if STOP_REQUESTED.wait(seconds):
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within, a stop request is acted on at the safe points only."""
+    global _deferred
+    previous, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = previous
