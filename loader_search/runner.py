@@ -15,7 +15,7 @@ import os
 import platform
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
@@ -53,6 +53,9 @@ from loader_search.worker import (
     work,
 )
 from loader_search.workloads import Workload, load_workload
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Reporter", "StudyInfo", "TrialEvent", "init_study", "run_study", "run_worker"]
 
@@ -222,6 +225,15 @@ def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
     return "cuda"
 
 
+def _this_machine(
+    config: StudyConfig, cpus: Sequence[int] | None, gpu: int | None
+) -> tuple[torch.device, Hardware]:
+    """Pin this process, then resolve its device and describe the hardware its trials use
+    (in that order: pinning must precede any question to CUDA)."""
+    device = resolve_device(_pin(cpus, gpu, config.device))
+    return device, collect(device.type, usable_cpus(), 1 if gpu is not None else None)
+
+
 def _ranges(values: Sequence[int]) -> str:
     return ",".join(map(str, values))
 
@@ -260,9 +272,7 @@ def run_study(
     with _quiet_optuna():
         # Everything that can be wrong with the input is checked before the storage is
         # touched; the device first, as pinning must precede any question to CUDA.
-        device = resolve_device(_pin(cpus, gpu, config.device))
-        ncpus = usable_cpus()
-        hardware = collect(device.type, ncpus, 1 if gpu is not None else None)
+        device, hardware = _this_machine(config, cpus, gpu)
         study, info, workload, space = _create_or_continue(
             config, workload, storage, n_trials, reporter, hardware, allow_mixed_hardware
         )
@@ -441,10 +451,9 @@ def run_worker(
         study = load_existing_study(plain, study_name, shown)
         config = config or stored_config(study)
         plain.engine.dispose()  # opened again below, with the study's heartbeat settings
-        device = resolve_device(_pin(cpus, gpu, config.device))
-        ncpus = usable_cpus()
+        device, hardware = _this_machine(config, cpus, gpu)
+        ncpus = hardware.usable_cpus
         space = config.space.resolve(ncpus, cuda=device.type == "cuda")
-        hardware = collect(device.type, ncpus, 1 if gpu is not None else None)
         mixed_notes = _check_hardware(study, hardware, allow_mixed_hardware)
         if workload is None:
             reporter.preparing(f"building workload {config.workload} (its data and model)")
