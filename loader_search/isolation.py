@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from loader_search import interrupts
+from loader_search.params import FULL_RUN, RunPlan
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -293,8 +294,10 @@ def run_isolated(
     limits: TrialLimits = TrialLimits(),
     cpus: Sequence[int] | None = None,
     gpu: int | None = None,
+    plan: RunPlan = FULL_RUN,
 ) -> TrialOutcome:
-    """Run `loader_search.trial.run_trial` in a forked child process and classify its end.
+    """Run `loader_search.trial.run_trial` (with ``plan``) in a forked child process and
+    classify its end.
 
     ``cpus`` pins the child (and so its loader workers) to those CPUs; ``gpu`` makes only
     that GPU visible to the child (``CUDA_VISIBLE_DEVICES``), which then trains on
@@ -326,10 +329,10 @@ def run_isolated(
     if not can_isolate():
         if gpu is not None:
             device_text = f"cuda:{gpu}"
-        return _run_in_process(workload, params, settings, device_text)
+        return _run_in_process(workload, params, settings, device_text, plan)
     _refuse_if_cuda_initialised()
     _warm_up(workload)
-    return _Supervisor(limits).run(workload, params, settings, device_text, cpus, gpu)
+    return _Supervisor(limits).run(workload, params, settings, device_text, cpus, gpu, plan)
 
 
 _WARM: dict[int, Workload] = {}  # holds each workload, so that its id() is never reused
@@ -361,13 +364,17 @@ def _allowed_cpus() -> set[int]:
 
 
 def _run_in_process(
-    workload: Workload, params: LoaderParams, settings: TrainingSettings, device: str
+    workload: Workload,
+    params: LoaderParams,
+    settings: TrainingSettings,
+    device: str,
+    plan: RunPlan = FULL_RUN,
 ) -> TrialOutcome:
     from loader_search.trial import run_trial
 
     started = time.perf_counter()
     try:
-        result = run_trial(workload, params, settings, device)
+        result = run_trial(workload, params, settings, device, plan=plan)
     except Exception as exc:  # KeyboardInterrupt propagates, as with isolation
         return TrialOutcome(
             None, classify_exception(exc), time.perf_counter() - started, 0.0, isolated=False
@@ -402,6 +409,7 @@ class _Supervisor:
         device: str,
         cpus: Sequence[int] | None,
         gpu: int | None,
+        plan: RunPlan,
     ) -> TrialOutcome:
         # Imported here, once: every child inherits the module instead of importing it.
         import loader_search.trial  # noqa: F401
@@ -410,7 +418,7 @@ class _Supervisor:
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(
             target=_child_main,
-            args=(writer, os.getpid(), workload, params, settings, device, cpus, gpu),
+            args=(writer, os.getpid(), workload, params, settings, device, cpus, gpu, plan),
             name="loader-search-trial",
         )
         _release_openmp_threads()
@@ -543,6 +551,7 @@ def _child_main(
     device: str,
     cpus: Sequence[int] | None,
     gpu: int | None,
+    plan: RunPlan,
 ) -> None:
     """The child: pin, announce, train, send the result or the classified failure."""
     with contextlib.suppress(OSError):
@@ -558,7 +567,9 @@ def _child_main(
         conn.send(("ready",))
         from loader_search.trial import run_trial
 
-        result = run_trial(workload, params, settings, device, progress=_Heartbeat(conn))
+        result = run_trial(
+            workload, params, settings, device, progress=_Heartbeat(conn), plan=plan
+        )
         message = ("result", result, time.perf_counter())
     except BaseException as exc:  # everything is reported; the process ends right after
         message = ("failure", classify_exception(exc), time.perf_counter())

@@ -93,6 +93,10 @@ class StepMeter:
     def in_window(self) -> bool:
         return self._window_start is not None
 
+    def snapshot(self) -> WindowStats:
+        """The window so far, the meter running on (device-synchronised, as `finish`)."""
+        return self.finish()
+
     def finish(self) -> WindowStats:
         self._sync()
         end = time.perf_counter()

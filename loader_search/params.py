@@ -93,6 +93,8 @@ class TrainingSettings:
     warmup_batches: int = 2
     eval_batch_size: int = 256
     seed: int = 0
+    # A trial whose batch size was already evaluated stops early (see loader_search.reuse).
+    reuse_val_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
@@ -100,6 +102,31 @@ class TrainingSettings:
         for name in ("train_samples", "base_batch_size", "warmup_batches", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What one trial measures besides training with its settings; the worker decides it.
+
+    ``short_samples``: also take a throughput reading when this many samples have trained
+    (see `loader_search.trial.short_run_samples`). ``stop_early``: stop training there and
+    skip the evaluation, because the study already knows the validation loss of this batch
+    size (see `loader_search.reuse`). ``measure_ceiling``: after training, time the same
+    model on pre-decoded batches already on the device, the throughput no loader can beat.
+    """
+
+    short_samples: int | None = None
+    stop_early: bool = False
+    measure_ceiling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.short_samples is not None and self.short_samples < 1:
+            raise ValueError(f"short_samples must be >= 1, got {self.short_samples}")
+        if self.stop_early and self.short_samples is None:
+            raise ValueError("stop_early needs short_samples")
+
+
+FULL_RUN = RunPlan()  # train the whole budget and evaluate; nothing else
 
 
 def scaled_lr(base_lr: float, batch_size: int, base_batch_size: int, rule: LrScaling) -> float:

@@ -20,11 +20,24 @@ from torch.utils.data import DataLoader
 from loader_search.errors import TrainingDiverged
 from loader_search.loader import build_loader
 from loader_search.measure import PeakRSS, StepMeter, WindowStats
-from loader_search.params import LoaderParams, TrainingSettings, scaled_lr
+from loader_search.params import (
+    FULL_RUN,
+    LoaderParams,
+    RunPlan,
+    TrainingSettings,
+    scaled_lr,
+)
 from loader_search.workloads import Workload
 
 # Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
 MIN_MEASURED_BATCHES = 8
+# Batches a shortened run trains past the first epoch boundary (see `short_run_samples`).
+BATCHES_PAST_EPOCH = 4
+# The ceiling: steps timed on pre-decoded batches, at the least, and for at least this long.
+CEILING_WARMUP_STEPS = 2
+CEILING_MIN_STEPS = 5
+CEILING_MIN_S = 0.5
+CEILING_DISTINCT_BATCHES = 2  # cycled: their content does not change the compute
 
 
 def warmup_batches(params: LoaderParams, extra: int) -> int:
@@ -39,12 +52,28 @@ def batches_needed(params: LoaderParams, extra_warmup: int) -> int:
     return warmup_batches(params, extra_warmup) + MIN_MEASURED_BATCHES
 
 
+def short_run_samples(
+    params: LoaderParams, settings: TrainingSettings, train_size: int | None
+) -> int:
+    """Training samples of a shortened trial (one that reuses a known validation loss).
+
+    Half the budget, and when the full run crosses an epoch boundary, at least up to it and
+    ``BATCHES_PAST_EPOCH`` batches beyond: non-persistent workers restart there, a cost the
+    full run pays and the reading must include. Never fewer than a measurable window.
+    """
+    target = math.ceil(settings.train_samples / 2)
+    if train_size is not None and settings.train_samples > train_size:
+        target = max(target, train_size + BATCHES_PAST_EPOCH * params.batch_size)
+    minimum = batches_needed(params, settings.warmup_batches) * params.batch_size
+    return min(settings.train_samples, max(target, minimum))
+
+
 @dataclass(frozen=True)
 class TrialResult:
     """Everything one training run measured. Keys of `user_attrs` carry their unit."""
 
     throughput_samples_per_s: float
-    val_loss: float
+    val_loss: float | None  # None: stopped early, not evaluated (see `RunPlan`)
     val_accuracy: float | None
     data_wait_fraction: float
     time_to_first_batch_s: float
@@ -60,6 +89,13 @@ class TrialResult:
     train_time_s: float
     eval_time_s: float
     device: str
+    stopped_early: bool = False
+    # The reading at `RunPlan.short_samples`: samples/s over the window until then, and the
+    # training time it took (what a shortened trial costs).
+    short_samples: int | None = None
+    short_throughput_samples_per_s: float | None = None
+    short_train_time_s: float | None = None
+    ceiling_samples_per_s: float | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -83,8 +119,10 @@ def run_trial(
     device: torch.device | str = "cpu",
     *,
     progress: Callable[[], None] | None = None,
+    plan: RunPlan = FULL_RUN,
 ) -> TrialResult:
-    """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure.
+    """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure
+    (and what ``plan`` asks, see `RunPlan`).
 
     ``progress`` is called after every training step and every evaluation batch: it is the
     heartbeat `loader_search.isolation` watches to tell a slow trial from a hung one. It must
@@ -128,16 +166,12 @@ def run_trial(
                 collate_fn=workload.collate_fn,
             )
             meter = StepMeter(warmup, sync)
+            mark = _Mark(plan.short_samples, train_start)
+            budget = settings.train_samples
+            if plan.stop_early and plan.short_samples is not None:
+                budget = min(budget, plan.short_samples)
             last_loss, epochs, stats = _train(
-                model,
-                optimizer,
-                workload,
-                loader,
-                meter,
-                settings.train_samples,
-                device,
-                params,
-                tick,
+                model, optimizer, workload, loader, meter, budget, device, params, tick, mark
             )
             del loader  # shuts down persistent workers before evaluation
             train_time = time.perf_counter() - train_start
@@ -147,11 +181,18 @@ def run_trial(
                     f"training loss became {final_loss} at lr={lr:.4g}; lower the learning rate"
                     " or use lr_scaling = 'sqrt'"
                 )
-            eval_start = time.perf_counter()
-            val_loss, val_accuracy = _evaluate(model, workload, params, settings, device, tick)
-            eval_time = time.perf_counter() - eval_start
-        if not math.isfinite(val_loss):
-            raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
+            val_loss: float | None = None
+            val_accuracy: float | None = None
+            eval_time = 0.0
+            if not plan.stop_early:
+                eval_start = time.perf_counter()
+                val_loss, val_accuracy = _evaluate(model, workload, params, settings, device, tick)
+                eval_time = time.perf_counter() - eval_start
+                if not math.isfinite(val_loss):
+                    raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
+        ceiling = None
+        if plan.measure_ceiling:
+            ceiling = measure_ceiling(model, optimizer, workload, params, device, tick)
         peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     finally:
         torch.set_num_threads(previous_threads)
@@ -163,7 +204,7 @@ def run_trial(
         time_to_first_batch_s=stats.time_to_first_batch_s,
         peak_host_rss_bytes=rss.peak_bytes,
         peak_gpu_bytes=peak_gpu,
-        train_samples=settings.train_samples,
+        train_samples=budget,
         measured_samples=stats.measured_samples,
         measured_time_s=stats.measured_time_s,
         warmup_batches=stats.warmup_batches,
@@ -173,7 +214,82 @@ def run_trial(
         train_time_s=train_time,
         eval_time_s=eval_time,
         device=str(device),
+        stopped_early=plan.stop_early,
+        short_samples=mark.samples if mark.stats else None,
+        short_throughput_samples_per_s=mark.stats.throughput if mark.stats else None,
+        short_train_time_s=mark.elapsed_s,
+        ceiling_samples_per_s=ceiling,
     )
+
+
+class _Mark:
+    """The reading at ``samples`` trained: the window's stats and the training time so far."""
+
+    def __init__(self, samples: int | None, started: float) -> None:
+        self.samples = samples
+        self._started = started
+        self.stats: WindowStats | None = None
+        self.elapsed_s: float | None = None
+
+    def reached(self, seen: int, meter: StepMeter) -> None:
+        if self.samples is None or self.stats is not None or seen < self.samples:
+            return
+        if meter.in_window:  # too early a mark has no window: no reading
+            self.stats = meter.snapshot()
+            self.elapsed_s = time.perf_counter() - self._started
+
+
+def measure_ceiling(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    workload: Workload,
+    params: LoaderParams,
+    device: torch.device,
+    progress: Callable[[], None] = _no_progress,
+) -> float:
+    """Samples/s of the same model and batch size fed from batches already decoded and on
+    the device: the throughput no loader setting can beat (loader efficiency divides by it).
+
+    A few batches are decoded once, moved to the device, and cycled: their content does not
+    change the compute. Timed after ``CEILING_WARMUP_STEPS``, device-synchronised, for at
+    least ``CEILING_MIN_STEPS`` steps and ``CEILING_MIN_S`` seconds. It trains the model on
+    (so it runs after the evaluation).
+    """
+    plain = LoaderParams(batch_size=params.batch_size, torch_threads=params.torch_threads)
+    loader = build_loader(
+        workload.train_dataset, plain, shuffle=True, collate_fn=workload.collate_fn
+    )
+    batches = []
+    for inputs, targets in loader:
+        batches.append((inputs.to(device), targets.to(device)))
+        if len(batches) == CEILING_DISTINCT_BATCHES:
+            break
+    if not batches:
+        raise ValueError(f"the training set has fewer than {params.batch_size} samples")
+    sync = _sync_for(device)
+    model.train()
+
+    def step(i: int) -> int:
+        inputs, targets = batches[i % len(batches)]
+        loss = workload.loss_fn(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        progress()
+        return len(targets)
+
+    for i in range(CEILING_WARMUP_STEPS):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    samples = steps = 0
+    while steps < CEILING_MIN_STEPS or time.perf_counter() - start < CEILING_MIN_S:
+        samples += step(steps)
+        steps += 1
+        if steps % CEILING_MIN_STEPS == 0:
+            sync()  # the clock must see finished work, not queued work
+    sync()
+    return samples / (time.perf_counter() - start)
 
 
 def _train(
@@ -186,6 +302,7 @@ def _train(
     device: torch.device,
     params: LoaderParams,
     progress: Callable[[], None],
+    mark: _Mark,
 ) -> tuple[torch.Tensor, int, WindowStats]:
     """The training loop; returns the last batch's loss (a tensor: no per-step device sync),
     the epochs begun and the measured window."""
@@ -215,6 +332,7 @@ def _train(
         optimizer.step()
         seen += n
         meter.step(n)
+        mark.reached(seen, meter)
         progress()
     # The window closes before the iterator is dropped: shutting workers down is not training,
     # and persistent and non-persistent loaders must be timed alike.

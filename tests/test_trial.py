@@ -5,8 +5,8 @@ import math
 import pytest
 
 from loader_search.errors import TrainingDiverged
-from loader_search.params import LoaderParams, TrainingSettings, scaled_lr
-from loader_search.trial import run_trial, warmup_batches
+from loader_search.params import LoaderParams, RunPlan, TrainingSettings, scaled_lr
+from loader_search.trial import BATCHES_PAST_EPOCH, run_trial, short_run_samples, warmup_batches
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload
 
@@ -82,3 +82,51 @@ def test_budget_too_small_to_measure(tiny_workload: Workload) -> None:
     settings = TrainingSettings(train_samples=64, base_batch_size=16)
     with pytest.raises(ValueError, match="raise train_samples"):
         run_trial(tiny_workload, LoaderParams(16, 2, 4, torch_threads=1), settings)
+
+
+def test_a_short_reading_is_taken_past_the_first_epoch(tiny_workload: Workload) -> None:
+    params = LoaderParams(16, num_workers=1, prefetch_factor=2, torch_threads=1)
+    # 512 samples of a 256-sample set: the short run goes 4 batches into the second epoch,
+    # where non-persistent workers restart (half the budget would stop right before it).
+    short = short_run_samples(params, SETTINGS, 256)
+    assert short == 256 + BATCHES_PAST_EPOCH * 16
+    result = run_trial(tiny_workload, params, SETTINGS, plan=RunPlan(short_samples=short))
+    assert result.short_samples == short and not result.stopped_early
+    assert result.short_throughput_samples_per_s is not None
+    assert result.short_throughput_samples_per_s > 0
+    assert result.short_train_time_s is not None
+    assert 0 < result.short_train_time_s < result.train_time_s
+    assert result.val_loss is not None  # the full run still evaluates
+    assert result.ceiling_samples_per_s is None  # not asked for
+
+
+def test_stopping_early_skips_the_rest_and_the_evaluation(tiny_workload: Workload) -> None:
+    params = LoaderParams(16, torch_threads=1)
+    short = short_run_samples(params, SETTINGS, 256)
+    plan = RunPlan(short_samples=short, stop_early=True, measure_ceiling=True)
+    result = run_trial(tiny_workload, params, SETTINGS, plan=plan)
+    assert result.stopped_early
+    assert result.train_samples == short < SETTINGS.train_samples
+    assert result.val_loss is None and result.val_accuracy is None
+    assert result.eval_time_s == 0.0
+    assert "val_loss" not in result.user_attrs()  # never stored as if measured
+    # Samples counted in the window end at the stop, as in a full run at its end.
+    assert result.measured_samples + result.warmup_batches * 16 == short
+    assert result.short_throughput_samples_per_s == pytest.approx(
+        result.throughput_samples_per_s, rel=0.05
+    )
+    # The ceiling: the same model on pre-decoded batches, faster than decoding PNGs per sample.
+    assert result.ceiling_samples_per_s is not None
+    assert result.ceiling_samples_per_s > result.throughput_samples_per_s
+
+
+def test_a_short_run_is_never_too_short_to_measure() -> None:
+    params = LoaderParams(32, num_workers=2, prefetch_factor=4, torch_threads=1)
+    settings = TrainingSettings(train_samples=8192, base_batch_size=32)
+    # No epoch boundary (a huge data set): half the budget...
+    assert short_run_samples(params, settings, None) == 4096
+    # ... but never fewer than the warm-up (2 x 4 + 2) plus 8 measured batches.
+    tiny_budget = TrainingSettings(train_samples=18 * 32, base_batch_size=32)
+    assert short_run_samples(params, tiny_budget, None) == 18 * 32
+    with pytest.raises(ValueError, match="stop_early needs short_samples"):
+        RunPlan(stop_early=True)
