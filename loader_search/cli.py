@@ -704,10 +704,15 @@ class RichReporter:
 
     def trial_finished(self, event: TrialEvent) -> None:
         settings = event.params.describe() if event.params else ""
+        if event.confirmation:
+            settings += " [dim](re-measure)[/]"
         if event.complete:
+            efficiency = f"  eff {event.loader_efficiency:4.0%}" if event.loader_efficiency else ""
+            # An early-stopped trial reports its batch size's known val_loss: marked "~".
+            mark = "~" if event.val_loss_from else " "
             self.console.print(
                 f"  #{event.number:<3} {event.throughput:>7,.0f} samples/s  val_loss"
-                f" {event.val_loss:.4f}  {event.duration_s:4.1f}s  {settings}"
+                f" {event.val_loss:.4f}{mark}{efficiency}  {event.duration_s:4.1f}s  {settings}"
             )
         else:
             label = "[yellow]infeasible[/]" if event.state == "infeasible" else "[red]failed[/]"
@@ -749,7 +754,7 @@ def print_summary(summary: StudySummary) -> None:
     base = summary.baseline
     table = Table(title=escape(f"Pareto front of {summary.study_name} ({trials})"))
     columns = ("#", "batch", "workers", "prefetch", "persist", "pin", "threads", "samples/s")
-    for column in (*columns, "val_loss", "speedup"):
+    for column in (*columns, "spread", "eff", "val_loss", "speedup"):
         table.add_column(column, justify="right", no_wrap=True)
     recommended = summary.recommended.point.number if summary.recommended else None
     for point in summary.pareto:
@@ -764,11 +769,18 @@ def print_summary(summary: StudySummary) -> None:
             "yes" if p.pin_memory else "no",
             str(p.torch_threads),
             f"{point.throughput:,.0f}",
+            f"{point.spread:.0%} of {len(point.measurements)}"
+            if point.spread is not None
+            else "-",
+            f"{point.loader_efficiency:.0%}" if point.loader_efficiency else "-",
             f"{point.val_loss:.4f}",
             f"{point.throughput / base.throughput:.2f}x" if base else "-",
         )
     out.print(table)
-    out.print("  * recommended   b baseline")
+    out.print(
+        "  * recommended   b baseline   spread: (max-min)/median of the repeated measurements"
+        "   eff: loader efficiency, samples/s / the same model fed pre-decoded data"
+    )
     if base is not None:
         measured = ""
         if base.measurements:
@@ -795,6 +807,19 @@ def print_summary(summary: StudySummary) -> None:
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
         )
     out.print(headline)
+    if rec.point.measurements and not rec.point.is_baseline:
+        values = ", ".join(f"{v:,.0f}" for v in rec.point.measurements)
+        out.print(
+            f"  measured {len(rec.point.measurements)} times (trials"
+            f" {', '.join(f'#{n}' for n in rec.point.numbers)}): {values} samples/s,"
+            f" spread {rec.point.spread:.0%}; the median counts"
+        )
+    if rec.point.loader_efficiency:
+        out.print(
+            f"  loader efficiency {rec.point.loader_efficiency:.0%}: the same model fed"
+            " pre-decoded data already on the device trains"
+            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s"
+        )
     out.print(f"  rule: {rec.rule}", soft_wrap=True)
     out.print(
         Panel(

@@ -49,6 +49,10 @@ class StudyConfig:
     timeout_s: float | None = None
     seed: int = 0
     loss_tolerance: float = 0.05
+    # Before recommending, re-measure the fastest ``confirm_top`` candidates and the baseline
+    # until each has ``confirm_repeats`` measurements (0 turns it off).
+    confirm_top: int = 3
+    confirm_repeats: int = 3
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     device: str = "auto"
@@ -74,6 +78,11 @@ class StudyConfig:
             raise ValueError(f"seed must be in 0 .. 2**32 - 1, got {self.seed}")
         if self.loss_tolerance < 0:
             raise ValueError(f"loss_tolerance must be >= 0, got {self.loss_tolerance}")
+        if self.confirm_top < 0 or self.confirm_repeats < 1:
+            raise ValueError(
+                f"confirm_top must be >= 0 and confirm_repeats >= 1, got {self.confirm_top}"
+                f" and {self.confirm_repeats}"
+            )
 
     def with_overrides(
         self, *, name: str | None = None, timeout_s: float | None = None
@@ -236,6 +245,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     if seed >= 2**32:
         raise study.error("seed", seed, "must be below 2**32 (4294967296)")
     loss_tolerance = study.number("loss_tolerance", defaults.loss_tolerance)
+    confirm_top = study.int("confirm_top", defaults.confirm_top, minimum=0)
+    confirm_repeats = study.int("confirm_repeats", defaults.confirm_repeats, minimum=1)
     study.done()
 
     sampler_config = _parse_sampler(sampler)
@@ -270,6 +281,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
         timeout_s=timeout_s,
         seed=seed,
         loss_tolerance=loss_tolerance,
+        confirm_top=confirm_top,
+        confirm_repeats=confirm_repeats,
         workload=workload_name,
         workload_options=options,
         device=device,
@@ -337,6 +350,7 @@ def _parse_training(table: _Table, seed: int) -> TrainingSettings:
         warmup_batches=table.int("warmup_batches", defaults.warmup_batches, minimum=1),
         eval_batch_size=table.int("eval_batch_size", defaults.eval_batch_size, minimum=1),
         seed=seed,
+        reuse_val_loss=table.bool("reuse_val_loss", defaults.reuse_val_loss),
     )
     table.done()
     return settings

@@ -24,6 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search.isolation import HOST_OOM, INTERRUPTED, TrialFailure, TrialOutcome
 from loader_search.params import LoaderParams
 from loader_search.recommend import HARDWARE_CLASS_ATTR, PARAMS_ATTR
+from loader_search.reuse import CEILING_FROM, LOADER_EFFICIENCY, VAL_LOSS_FROM, Reuse
 from loader_search.storage import retrying
 
 FAILURE_REASON = "failure_reason"
@@ -94,18 +95,21 @@ def record(
     trial: optuna.Trial,
     outcome: TrialOutcome,
     *,
+    reuse: Reuse | None = None,
     inferred_from: int | None = None,
     retry_s: float = 300.0,
     on_retry: Callable[[BaseException, float], None] | None = None,
 ) -> Recorded:
     """Store ``outcome`` on ``trial`` and finish it. Every write is retried while the
     database is unreachable, so a result measured during a database restart is kept.
+    ``reuse`` supplies what the trial did not measure itself (see `loader_search.reuse`): the
+    validation loss of a trial that stopped early, and the ceiling for its loader efficiency.
 
     Should a sweeper have failed the trial meanwhile (an outage longer than the grace
     period, so its heartbeats stopped), the result cannot be stored: the trial's retry
     measures it again, and the returned record says so."""
     try:
-        return _record(study, trial, outcome, inferred_from, retry_s, on_retry)
+        return _record(study, trial, outcome, reuse, inferred_from, retry_s, on_retry)
     except optuna.exceptions.UpdateFinishedTrialError:
         lost = TrialFailure(
             reason=LOST,
@@ -122,6 +126,7 @@ def _record(
     study: optuna.Study,
     trial: optuna.Trial,
     outcome: TrialOutcome,
+    reuse: Reuse | None,
     inferred_from: int | None,
     retry_s: float,
     on_retry: Callable[[BaseException, float], None] | None,
@@ -130,9 +135,23 @@ def _record(
         retrying(lambda: trial.set_user_attr(key, value), deadline_s=retry_s, on_retry=on_retry)
 
     failure = outcome.failure
-    if outcome.result is not None:
-        for key, value in outcome.result.user_attrs().items():
+    result = outcome.result
+    val_loss = None
+    if result is not None:
+        for key, value in result.user_attrs().items():
             write(key, value)
+        val_loss = result.val_loss
+        if val_loss is None:  # stopped early: the validation loss known for its batch size
+            if reuse is None or reuse.val_loss is None:
+                raise ValueError(f"trial #{trial.number} stopped early with no val_loss to reuse")
+            val_loss = reuse.val_loss
+            write(VAL_LOSS_FROM, list(reuse.val_loss_from))
+        ceiling = result.ceiling_samples_per_s
+        if ceiling is None and reuse is not None and reuse.ceiling is not None:
+            ceiling = reuse.ceiling
+            write(CEILING_FROM, list(reuse.ceiling_from))
+        if ceiling:
+            write(LOADER_EFFICIENCY, result.throughput_samples_per_s / ceiling)
     write("trial_wall_time_s", outcome.wall_s)
     if outcome.isolated and outcome.wall_s > 0:
         write("isolation_overhead_s", outcome.overhead_s)  # fork, result transfer, teardown
@@ -147,8 +166,8 @@ def _record(
     if failure is None or failure.infeasible:
         infeasible = failure is not None
         _set_constraint(trial, 1.0 if infeasible else 0.0, retry_s, on_retry)
-        if outcome.result is not None and not infeasible:
-            values = (outcome.result.throughput_samples_per_s, outcome.result.val_loss)
+        if result is not None and val_loss is not None and not infeasible:
+            values = (result.throughput_samples_per_s, val_loss)
         else:
             values = INFEASIBLE_VALUES
         tell(study, trial, TrialState.COMPLETE, values, retry_s, on_retry)

@@ -3,12 +3,16 @@
 Everything here returns plain frozen dataclasses (or JSON-ready dicts) so the terminal output,
 ``best --json`` and reports are all drawn from the same numbers.
 
-The recommendation rule: among the Pareto-optimal trials, the fastest one whose validation
+Throughput is noisy (5-25% from one run to the next on a small shared CPU), so trials that ran
+the exact same settings are one point: its throughput and validation loss are the medians of
+their measurements. The study re-measures its best candidates before it ends (see
+`loader_search.worker`), so the recommendation rests on medians, not on one lucky reading.
+
+The recommendation rule: among the Pareto-optimal points, the fastest one whose validation
 loss is at most the baseline's plus ``loss_tolerance`` (relative), i.e. "faster without making
-the model worse than what you have now". The baseline's throughput is the median of every
-trial that ran its exact settings. When the baseline trial did not complete, the best
-validation loss of the study stands in for it. The chosen trial is always on the front: any
-trial dominating it would be faster and also within the tolerance.
+the model worse than what you have now". When the baseline did not complete, the best
+validation loss of the study stands in for it. The chosen point is always on the front: any
+point dominating it would be faster and also within the tolerance.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from statistics import median
 from typing import Any, Literal
 
 import optuna
-from optuna.study._multi_objective import _get_pareto_front_trials_by_trials
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, dataloader_snippet
@@ -32,15 +35,20 @@ PARAMS_ATTR = "loader_params"
 # Trial attributes: the machine a trial ran on (a dict) and its short hardware-class key.
 HARDWARE_ATTR = "hardware"
 HARDWARE_CLASS_ATTR = "hardware_class"
+LOADER_EFFICIENCY_ATTR = "loader_efficiency"  # throughput / ceiling (see loader_search.reuse)
 # Study attributes.
 FINGERPRINT_ATTR = "fingerprint"
 BUDGET_ATTR = "trial_budget"
 TOLERANCE_ATTR = "loss_tolerance"
+CONFIRMED_BUDGET_ATTR = "confirmed_at_budget"  # the budget whose candidates were re-measured
+# Trial attribute: a re-measurement of a candidate, queued after the budget was used.
+CONFIRMATION_ATTR = "confirmation"
 
 
 @dataclass(frozen=True)
 class TrialPoint:
-    """One completed trial, as the user reads it."""
+    """One setting's results, as the user reads it: a completed trial, or the median of
+    every completed trial that ran these exact settings (``numbers``, first = ``number``)."""
 
     number: int
     params: LoaderParams
@@ -49,8 +57,18 @@ class TrialPoint:
     is_baseline: bool
     lr: float | None = None  # the learning rate it trained with (scaled for its batch size)
     # Every throughput measured for these exact settings when more than one trial ran them;
-    # ``throughput`` is then their median (used for the baseline, see `summarize`).
+    # ``throughput`` is then their median.
     measurements: tuple[float, ...] = ()
+    numbers: tuple[int, ...] = ()
+    # Throughput / the ceiling (the model fed pre-decoded data on the device); a median.
+    loader_efficiency: float | None = None
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the throughput measurements; None for a single one."""
+        if len(self.measurements) < 2:
+            return None
+        return (max(self.measurements) - min(self.measurements)) / self.throughput
 
     def as_dict(self) -> dict[str, Any]:
         data = {
@@ -60,9 +78,12 @@ class TrialPoint:
             "val_loss": self.val_loss,
             "lr": self.lr,
             "baseline": self.is_baseline,
+            "loader_efficiency": self.loader_efficiency,
         }
         if self.measurements:
             data["throughput_measurements"] = list(self.measurements)
+            data["throughput_spread"] = self.spread
+            data["trials"] = list(self.numbers)
         return data
 
 
@@ -129,7 +150,19 @@ def trial_point(trial: FrozenTrial) -> TrialPoint:
         val_loss=trial.values[1],
         is_baseline=bool(trial.user_attrs.get(BASELINE_ATTR, False)),
         lr=trial.user_attrs.get("lr"),
+        loader_efficiency=trial.user_attrs.get(LOADER_EFFICIENCY_ATTR),
     )
+
+
+def tolerance_limit(
+    pareto: tuple[TrialPoint, ...], baseline: TrialPoint | None, loss_tolerance: float
+) -> tuple[float, float, str]:
+    """The largest val_loss the recommendation accepts, its reference, and what that is."""
+    if baseline is not None:
+        reference, what = baseline.val_loss, "the baseline's val_loss"
+    else:
+        reference, what = min(p.val_loss for p in pareto), "the best val_loss"
+    return reference + loss_tolerance * abs(reference), reference, what
 
 
 def recommend(
@@ -138,11 +171,7 @@ def recommend(
     """Apply the recommendation rule (see the module docstring) to a Pareto front."""
     if not pareto:
         return None
-    if baseline is not None:
-        reference, what = baseline.val_loss, "the baseline's val_loss"
-    else:
-        reference, what = min(p.val_loss for p in pareto), "the best val_loss"
-    limit = reference + loss_tolerance * abs(reference)
+    limit, reference, what = tolerance_limit(pareto, baseline, loss_tolerance)
     candidates = [p for p in pareto if p.val_loss <= limit]
     chosen = max(candidates, key=lambda p: (p.throughput, -p.val_loss))
     rule = (
@@ -154,6 +183,67 @@ def recommend(
         speedup = chosen.throughput / baseline.throughput
         change = (chosen.val_loss - baseline.val_loss) / abs(baseline.val_loss)
     return Recommendation(chosen, speedup, change, rule)
+
+
+def merge_repeats(points: list[TrialPoint]) -> list[TrialPoint]:
+    """One point per distinct setting: trials that ran the same settings become one, with
+    the medians of their throughputs and validation losses (in order of first trial)."""
+    groups: dict[LoaderParams, list[TrialPoint]] = {}
+    for point in sorted(points, key=lambda p: p.number):
+        groups.setdefault(point.params, []).append(point)
+    merged = []
+    for group in groups.values():
+        first = group[0]
+        if len(group) == 1:
+            merged.append(replace(first, numbers=(first.number,)))
+            continue
+        throughputs = tuple(p.throughput for p in group)
+        merged.append(
+            replace(
+                first,
+                throughput=median(throughputs),
+                val_loss=median(p.val_loss for p in group),
+                is_baseline=any(p.is_baseline for p in group),
+                loader_efficiency=_median_or_none([p.loader_efficiency for p in group]),
+                measurements=throughputs,
+                numbers=tuple(p.number for p in group),
+            )
+        )
+    return merged
+
+
+def confirmation_candidates(
+    summary: StudySummary, top: int, repeats: int
+) -> list[tuple[TrialPoint, int]]:
+    """What to re-measure before recommending, and how many more times: the ``top`` fastest
+    Pareto points the rule can choose (within the loss tolerance) and the baseline, each up
+    to ``repeats`` measurements in all."""
+    chosen: list[TrialPoint] = []
+    if summary.pareto and top > 0:
+        limit = tolerance_limit(summary.pareto, summary.baseline, summary.loss_tolerance)[0]
+        within = [p for p in summary.pareto if p.val_loss <= limit]
+        chosen = sorted(within, key=lambda p: -p.throughput)[:top]
+    if summary.baseline is not None and summary.baseline not in chosen:
+        chosen.append(summary.baseline)
+    wanted = [(point, repeats - max(1, len(point.numbers))) for point in chosen]
+    return [(point, missing) for point, missing in wanted if missing > 0]
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return median(known) if known else None
+
+
+def pareto_front(points: list[TrialPoint]) -> tuple[TrialPoint, ...]:
+    """The points no other point beats on both objectives (faster and lower val_loss, one of
+    them strictly), fastest first."""
+    front: list[TrialPoint] = []
+    for point in sorted(points, key=lambda p: (-p.throughput, p.val_loss, p.number)):
+        if not front or point.val_loss < front[-1].val_loss:
+            front.append(point)
+        elif point.val_loss == front[-1].val_loss and point.throughput == front[-1].throughput:
+            front.append(point)  # an exact tie: neither dominates, as in Optuna
+    return tuple(front)
 
 
 def is_feasible(trial: FrozenTrial) -> bool:
@@ -177,23 +267,27 @@ def summarize(
     """The study's results, or those of one ``hardware_class`` (throughputs measured on
     different machines never compare). The Pareto set is that of the feasible completed
     trials (equal to Optuna's ``best_trials`` for a whole study), sorted fastest first."""
-    trials = study.get_trials(deepcopy=False)
+    return summarize_trials(
+        study.study_name, study.get_trials(deepcopy=False), loss_tolerance, hardware_class
+    )
+
+
+def summarize_trials(
+    study_name: str,
+    trials: list[FrozenTrial],
+    loss_tolerance: float,
+    hardware_class: str | None = None,
+) -> StudySummary:
+    """`summarize` over given trials (the benchmarks replay studies trial by trial)."""
     if hardware_class is not None:
         trials = [t for t in trials if t.user_attrs.get(HARDWARE_CLASS_ATTR) == hardware_class]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     feasible = [t for t in complete if is_feasible(t)]
-    baseline = next((trial_point(t) for t in feasible if t.user_attrs.get(BASELINE_ATTR)), None)
-    if baseline is not None:
-        # Speedups divide by the baseline: use every measurement of its exact settings (the
-        # sampler may run them again), not only the first, which is the noisiest (it is the
-        # first training in the process).
-        same = [p.throughput for p in map(trial_point, feasible) if p.params == baseline.params]
-        if len(same) > 1:
-            baseline = replace(baseline, throughput=median(same), measurements=tuple(same))
-    front = _get_pareto_front_trials_by_trials(feasible, study.directions)
-    pareto = tuple(sorted(map(trial_point, front), key=lambda p: (-p.throughput, p.val_loss)))
+    points = merge_repeats([trial_point(t) for t in feasible])
+    baseline = next((p for p in points if p.is_baseline), None)
+    pareto = pareto_front(points)
     return StudySummary(
-        study_name=study.study_name,
+        study_name=study_name,
         n_complete=len(feasible),
         n_failed=sum(t.state == TrialState.FAIL for t in trials),
         n_running=sum(t.state == TrialState.RUNNING for t in trials),

@@ -50,11 +50,16 @@ from loader_search.params import LoaderParams
 from loader_search.recommend import (
     BASELINE_ATTR,
     BUDGET_ATTR,
+    CONFIRMATION_ATTR,
+    CONFIRMED_BUDGET_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     PARAMS_ATTR,
+    confirmation_candidates,
     is_feasible,
+    summarize,
 )
+from loader_search.reuse import LOADER_EFFICIENCY, VAL_LOSS_FROM, plan_trial
 from loader_search.space import ResolvedSpace
 from loader_search.storage import retrying
 from loader_search.workloads import Workload
@@ -86,6 +91,9 @@ class TrialEvent:
     pareto_size: int
     best_throughput: float | None
     best_val_loss: float | None
+    confirmation: bool = False  # a re-measurement of a candidate, after the budget
+    val_loss_from: tuple[int, ...] = ()  # stopped early: the val_loss is theirs
+    loader_efficiency: float | None = None  # throughput / ceiling
 
     @property
     def complete(self) -> bool:
@@ -161,11 +169,14 @@ class Session:
 def uses_budget(trial: FrozenTrial) -> bool:
     """Whether a trial counts against the study's budget.
 
-    Queued, running and completed trials count. A failed trial counts when it failed on its
+    Queued, running and completed trials count, except re-measurements of the candidates,
+    which are queued once the budget is used. A failed trial counts when it failed on its
     own (a crash, a hang): that is a result. Not counted: an interrupted trial, a failed
     baseline (the study stops and queues it again), and a trial whose worker died (no
     failure reason: it is queued again as a retry, which counts instead).
     """
+    if trial.user_attrs.get(CONFIRMATION_ATTR):
+        return False  # re-measurements come after the budget (see `queue_confirmations`)
     if trial.state != TrialState.FAIL:
         return True
     reason = trial.user_attrs.get(FAILURE_REASON)
@@ -333,18 +344,20 @@ def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, Loader
         queued = any(t.state == TrialState.WAITING for t in trials)
         if not queued:
             used = count_used(trials, (*FINISHED_STATES, TrialState.RUNNING))
-            if used >= budget:
-                return None
-            if session.config.sampler.name == "grid" and not _combinations_left(
-                trials, session.space
-            ):
-                return None
-            ensure_baseline(study, session.space, session.config.training.base_batch_size)
+            exhausted = used >= budget or (
+                session.config.sampler.name == "grid"
+                and not _combinations_left(trials, session.space)
+            )
+            if exhausted:
+                if not queue_confirmations(session, trials, attrs, budget):
+                    return None
+            else:
+                ensure_baseline(study, session.space, session.config.training.base_batch_size)
         trial = study.ask()
         try:
             study._storage.record_heartbeat(trial._trial_id)  # type: ignore[attr-defined]
             with warnings.catch_warnings():  # main thread only
-                if trial.user_attrs.get(BASELINE_ATTR):
+                if trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR):
                     # The baseline (num_workers=0) may sit outside a searched range.
                     warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
                 params = session.space.suggest(trial)
@@ -359,6 +372,40 @@ def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, Loader
                 study.tell(trial, state=TrialState.FAIL)
             raise
     return trial, params
+
+
+def queue_confirmations(
+    session: Session, trials: Sequence[FrozenTrial], attrs: Mapping[str, Any], budget: int
+) -> bool:
+    """Once the budget is used: queue re-measurements of the candidates the recommendation
+    chooses from, so that it rests on medians (call under the study lock). Returns whether
+    any were queued; done once per budget (a raised budget searches on, then confirms again).
+
+    The candidates are the ``confirm_top`` fastest points of the Pareto front within the
+    loss tolerance, and the baseline: each runs until it has ``confirm_repeats``
+    measurements. Trials still running are waited for first (they may be candidates).
+    """
+    config = session.config
+    if config.confirm_top == 0 or int(attrs.get(CONFIRMED_BUDGET_ATTR, -1)) >= budget:
+        return False
+    if any(t.state == TrialState.RUNNING for t in trials):
+        return False  # the last worker to finish queues them
+    study = session.study
+    summary = summarize(study, config.loss_tolerance, session.hardware.hardware_class)
+    by_number = {t.number: t for t in trials}
+    queued = 0
+    for point, missing in confirmation_candidates(
+        summary, config.confirm_top, config.confirm_repeats
+    ):
+        for _ in range(missing):
+            study.enqueue_trial(
+                dict(by_number[point.number].params),
+                user_attrs={CONFIRMATION_ATTR: True},
+                skip_if_exists=False,
+            )
+            queued += 1
+    study.set_user_attr(CONFIRMED_BUDGET_ATTR, budget)
+    return queued > 0
 
 
 def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserError:
@@ -476,6 +523,14 @@ def _run_one(
             on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
         )
         inferred = known_failure(trials, params, session.hardware.hardware_class)
+        reuse = plan_trial(
+            trials,
+            params,
+            session.config.training,
+            session.hardware.hardware_class,
+            len(session.workload.train_dataset),  # type: ignore[arg-type]
+            reuse_val_loss=session.config.training.reuse_val_loss,
+        )
         if inferred is not None:
             outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
         else:
@@ -485,6 +540,7 @@ def _run_one(
                 session.config.training,
                 session.device,
                 limits=session.config.limits,
+                plan=reuse.plan,
             )
         if outcome.failure and outcome.failure.infeasible and trial.user_attrs.get(BASELINE_ATTR):
             # The plainest loader does not train (it diverged or ran out of memory): that is
@@ -496,6 +552,7 @@ def _run_one(
             study,
             trial,
             outcome,
+            reuse=reuse,
             inferred_from=inferred[1] if inferred else None,
             on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
         )
@@ -527,6 +584,7 @@ def _event(
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         if is_feasible(t)
     ]
+    stored = study._storage.get_trial(trial._trial_id).user_attrs
     failure = recorded.failure
     state = "failed" if recorded.state == TrialState.FAIL else "complete"
     if recorded.infeasible:
@@ -546,4 +604,7 @@ def _event(
         pareto_size=len(study.best_trials),
         best_throughput=max((t.values[0] for t in feasible), default=None),
         best_val_loss=min((t.values[1] for t in feasible), default=None),
+        confirmation=bool(trial.user_attrs.get(CONFIRMATION_ATTR)),
+        val_loss_from=tuple(stored.get(VAL_LOSS_FROM, ())),
+        loader_efficiency=stored.get(LOADER_EFFICIENCY),
     )

@@ -69,6 +69,7 @@ TINY_CONFIG = """
 name = "tiny"
 trials = {trials}
 seed = 0
+confirm_top = 0  # no re-measurements: tests count trials (tests/test_reuse.py covers them)
 
 [sampler]
 name = "random"

@@ -33,6 +33,7 @@ def _my_workload() -> Workload:
 
 
 CONFIG = StudyConfig(
+    confirm_top=0,  # tests count trials; tests/test_reuse.py covers re-measurement
     name="notebook",
     trials=3,
     device="cpu",

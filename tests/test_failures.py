@@ -31,6 +31,7 @@ from loader_search.workloads import Workload
 from tests._datasets import TimedDataset, linear_model
 
 CONFIG = StudyConfig(
+    confirm_top=0,  # tests count trials; tests/test_reuse.py covers re-measurement
     name="faults",
     trials=3,
     device="cpu",

@@ -24,6 +24,7 @@ SPACE = SearchSpace(
     torch_threads=1,
 )
 CONFIG = StudyConfig(
+    confirm_top=0,  # tests count trials; tests/test_reuse.py covers re-measurement
     name="runner",
     trials=3,
     device="cpu",

@@ -1,0 +1,169 @@
+"""Early stop by reused validation loss, the ceiling, and the re-measurement of candidates,
+on real studies (SQLite file, real tiny training runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.config import SamplerConfig, StudyConfig
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.recommend import (
+    BASELINE_ATTR,
+    CONFIRMATION_ATTR,
+    PARAMS_ATTR,
+    TrialPoint,
+    merge_repeats,
+    pareto_front,
+)
+from loader_search.reuse import (
+    CEILING_ATTR,
+    CEILING_FROM,
+    LOADER_EFFICIENCY,
+    VAL_LOSS_ATTR,
+    VAL_LOSS_FROM,
+)
+from loader_search.runner import run_study
+from loader_search.space import CpuRange, IntRange, SearchSpace
+from loader_search.worker import count_finished
+from loader_search.workloads import Workload
+
+TRAINING = TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64)
+CONFIG = StudyConfig(
+    name="reuse",
+    trials=6,
+    device="cpu",
+    training=TRAINING,
+    space=SearchSpace(
+        batch_sizes=(16, 32),
+        num_workers=CpuRange(0, 1),
+        prefetch_factor=IntRange(1, 2),
+        persistent_workers=False,
+        torch_threads=1,
+    ),
+    sampler=SamplerConfig(name="random"),
+)
+
+
+def _complete(study: optuna.Study) -> list[FrozenTrial]:
+    return study.get_trials(states=(TrialState.COMPLETE,))
+
+
+def _params(trial: FrozenTrial) -> LoaderParams:
+    return LoaderParams.from_dict(trial.user_attrs[PARAMS_ATTR])
+
+
+def test_later_trials_of_a_batch_size_stop_early_with_its_known_val_loss(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    config = dataclasses.replace(CONFIG, confirm_top=0)
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    study = optuna.load_study(study_name="reuse", storage=sqlite_url)
+    trials = _complete(study)
+    assert len(trials) == 6
+    by_batch: dict[int, list[FrozenTrial]] = {}
+    for trial in trials:
+        by_batch.setdefault(_params(trial).batch_size, []).append(trial)
+    early = 0
+    for group in by_batch.values():
+        first, *later = group
+        # The first trial of a batch size trains its whole budget and is evaluated.
+        assert VAL_LOSS_ATTR in first.user_attrs and VAL_LOSS_FROM not in first.user_attrs
+        assert first.user_attrs["train_samples"] == TRAINING.train_samples
+        for trial in later:
+            sources = trial.user_attrs[VAL_LOSS_FROM]
+            assert sources and all(study.trials[n] in group for n in sources)
+            known = statistics.median(study.trials[n].user_attrs[VAL_LOSS_ATTR] for n in sources)
+            assert trial.values[1] == known
+            assert trial.user_attrs["stopped_early"] is True
+            assert trial.user_attrs["train_samples"] < TRAINING.train_samples
+            assert VAL_LOSS_ATTR not in trial.user_attrs
+            early += 1
+    assert early >= 1
+    # Every trial reports its loader efficiency; the ceiling is measured once per batch
+    # size and thread count (threads are fixed here), then reused.
+    assert all(t.user_attrs[LOADER_EFFICIENCY] > 0 for t in trials)
+    measured = [t for t in trials if CEILING_ATTR in t.user_attrs]
+    assert sorted(_params(t).batch_size for t in measured) == sorted(by_batch)
+    for trial in trials:
+        if CEILING_ATTR not in trial.user_attrs:
+            (source,) = trial.user_attrs[CEILING_FROM]
+            assert _params(study.trials[source]).batch_size == _params(trial).batch_size
+
+
+def test_without_reuse_every_trial_is_evaluated(tiny_workload: Workload, sqlite_url: str) -> None:
+    config = dataclasses.replace(
+        CONFIG,
+        trials=4,
+        confirm_top=0,
+        training=dataclasses.replace(TRAINING, reuse_val_loss=False),
+    )
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    study = optuna.load_study(study_name="reuse", storage=sqlite_url)
+    trials = _complete(study)
+    assert len(trials) == 4
+    for trial in trials:
+        assert trial.values[1] == trial.user_attrs[VAL_LOSS_ATTR]
+        assert trial.user_attrs["train_samples"] == TRAINING.train_samples
+        assert VAL_LOSS_FROM not in trial.user_attrs
+
+
+def test_candidates_are_measured_again_before_the_recommendation(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    config = dataclasses.replace(CONFIG, confirm_top=2, confirm_repeats=3)
+    summary = run_study(config, workload=tiny_workload, storage=sqlite_url)
+    study = optuna.load_study(study_name="reuse", storage=sqlite_url)
+    trials = _complete(study)
+    repeats = [t for t in trials if t.user_attrs.get(CONFIRMATION_ATTR)]
+    assert repeats, "re-measurements were queued"
+    # They come on top of the budget, which still counts exactly the search trials.
+    assert len(trials) == config.trials + len(repeats)
+    assert count_finished(study) == config.trials
+    # Each re-measured setting and the baseline now have 3 measurements, and the summary
+    # reports medians over them.
+    assert summary.baseline is not None and summary.recommended is not None
+    for point in {summary.baseline, summary.recommended.point}:
+        assert len(point.measurements) == 3
+        ran = [t for t in trials if _params(t) == point.params]
+        assert sorted(t.number for t in ran) == sorted(point.numbers)
+        assert point.throughput == statistics.median(t.values[0] for t in ran)
+        assert point.spread is not None and point.spread >= 0
+    baseline_trials = [t for t in trials if t.user_attrs.get(BASELINE_ATTR)]
+    assert len(baseline_trials) == 1  # repeats are not baselines of their own
+    # A second run of the finished study queues nothing more.
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    assert len(_complete(optuna.load_study(study_name="reuse", storage=sqlite_url))) == len(trials)
+
+
+def _point(number: int, batch: int, workers: int, throughput: float, loss: float) -> TrialPoint:
+    params = LoaderParams(batch, workers, 2 if workers else None, torch_threads=1)
+    return TrialPoint(number, params, throughput, loss, is_baseline=number == 0)
+
+
+def test_repeats_become_one_point_with_medians() -> None:
+    points = [
+        _point(0, 16, 0, 100.0, 1.0),
+        _point(1, 16, 1, 300.0, 1.0),
+        _point(2, 16, 0, 130.0, 1.2),
+        _point(3, 16, 0, 90.0, 1.1),
+    ]
+    merged = merge_repeats(points)
+    assert len(merged) == 2
+    baseline = merged[0]
+    assert baseline.numbers == (0, 2, 3) and baseline.is_baseline
+    assert baseline.throughput == 100.0 and baseline.val_loss == 1.1
+    assert baseline.measurements == (100.0, 130.0, 90.0)
+    assert baseline.spread == (130.0 - 90.0) / 100.0
+    assert merged[1].numbers == (1,) and merged[1].spread is None
+
+
+def test_pareto_front_keeps_only_undominated_points() -> None:
+    a = _point(1, 16, 1, 300.0, 1.0)  # fastest
+    b = _point(2, 32, 1, 200.0, 0.8)  # slower, better loss
+    c = _point(3, 32, 0, 150.0, 0.9)  # dominated by b
+    d = _point(4, 64, 0, 300.0, 1.2)  # as fast as a, worse loss: dominated
+    assert pareto_front([c, d, b, a]) == (a, b)
