@@ -108,10 +108,11 @@ class TrainingSettings:
 class RunPlan:
     """What one trial measures besides training with its settings; the worker decides it.
 
-    ``short_samples``: also take a throughput reading when this many samples have trained
-    (see `loader_search.trial.short_run_samples`). ``stop_early``: stop training there and
-    skip the evaluation, because the study already knows the validation loss of this batch
-    size (see `loader_search.reuse`). ``measure_ceiling``: after training, time the same
+    ``short_samples``: the throughput window ends when this many samples have trained, the
+    same mark for a full and a shortened trial so that they compare (see
+    `loader_search.trial.short_run_samples`). ``stop_early``: stop training there and skip
+    the evaluation, because the study already knows the validation loss of this batch size
+    (see `loader_search.reuse`). ``measure_ceiling``: after training, time the same
     model on pre-decoded batches already on the device, the throughput no loader can beat.
     """
 

@@ -4,6 +4,13 @@ The run trains a fresh, identically initialised model for a fixed number of trai
 the same for every batch size, so the validation loss at the end carries batch size's
 convergence cost next to its speed. Throughput is measured over the steady state only (see
 `loader_search.measure`).
+
+A `RunPlan` adds what the study asks of a trial. With ``short_samples`` the throughput window
+ends there, part-way through training, for every trial of a study alike: a trial of a batch size
+whose validation loss the study already knows stops at that mark without evaluating, and
+measuring all trials over the same window keeps them comparable (the whole run's reading is
+kept as ``full_window_throughput_samples_per_s``). It can also ask for the ceiling: the same
+model fed pre-decoded batches already on the device.
 """
 
 from __future__ import annotations
@@ -90,11 +97,12 @@ class TrialResult:
     eval_time_s: float
     device: str
     stopped_early: bool = False
-    # The reading at `RunPlan.short_samples`: samples/s over the window until then, and the
-    # training time it took (what a shortened trial costs).
+    # With `RunPlan.short_samples`: where the throughput window ended, the training time until
+    # then (what a shortened trial costs), and the reading over the whole run (None when the
+    # trial stopped there).
     short_samples: int | None = None
-    short_throughput_samples_per_s: float | None = None
     short_train_time_s: float | None = None
+    full_window_throughput_samples_per_s: float | None = None
     ceiling_samples_per_s: float | None = None
 
     def user_attrs(self) -> dict[str, Any]:
@@ -196,17 +204,18 @@ def run_trial(
         peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     finally:
         torch.set_num_threads(previous_threads)
+    window = mark.stats or stats
     return TrialResult(
-        throughput_samples_per_s=stats.throughput,
+        throughput_samples_per_s=window.throughput,
         val_loss=val_loss,
         val_accuracy=val_accuracy,
-        data_wait_fraction=stats.data_wait_fraction,
+        data_wait_fraction=window.data_wait_fraction,
         time_to_first_batch_s=stats.time_to_first_batch_s,
         peak_host_rss_bytes=rss.peak_bytes,
         peak_gpu_bytes=peak_gpu,
         train_samples=budget,
-        measured_samples=stats.measured_samples,
-        measured_time_s=stats.measured_time_s,
+        measured_samples=window.measured_samples,
+        measured_time_s=window.measured_time_s,
         warmup_batches=stats.warmup_batches,
         epochs=epochs,
         lr=lr,
@@ -216,8 +225,10 @@ def run_trial(
         device=str(device),
         stopped_early=plan.stop_early,
         short_samples=mark.samples if mark.stats else None,
-        short_throughput_samples_per_s=mark.stats.throughput if mark.stats else None,
         short_train_time_s=mark.elapsed_s,
+        full_window_throughput_samples_per_s=(
+            stats.throughput if mark.stats and not plan.stop_early else None
+        ),
         ceiling_samples_per_s=ceiling,
     )
 

@@ -84,16 +84,21 @@ def test_budget_too_small_to_measure(tiny_workload: Workload) -> None:
         run_trial(tiny_workload, LoaderParams(16, 2, 4, torch_threads=1), settings)
 
 
-def test_a_short_reading_is_taken_past_the_first_epoch(tiny_workload: Workload) -> None:
+def test_throughput_is_read_at_the_mark_past_the_first_epoch(tiny_workload: Workload) -> None:
     params = LoaderParams(16, num_workers=1, prefetch_factor=2, torch_threads=1)
-    # 512 samples of a 256-sample set: the short run goes 4 batches into the second epoch,
-    # where non-persistent workers restart (half the budget would stop right before it).
+    # 512 samples of a 256-sample set: the mark is 4 batches into the second epoch, where
+    # non-persistent workers restart (half the budget would stop right before it).
     short = short_run_samples(params, SETTINGS, 256)
     assert short == 256 + BATCHES_PAST_EPOCH * 16
     result = run_trial(tiny_workload, params, SETTINGS, plan=RunPlan(short_samples=short))
     assert result.short_samples == short and not result.stopped_early
-    assert result.short_throughput_samples_per_s is not None
-    assert result.short_throughput_samples_per_s > 0
+    # The objective's window ends at the mark, as a shortened trial's does ...
+    assert result.measured_samples + result.warmup_batches * 16 == short
+    assert result.throughput_samples_per_s > 0
+    # ... while training goes on to the whole budget, read over its whole window too.
+    assert result.train_samples == SETTINGS.train_samples
+    assert result.full_window_throughput_samples_per_s is not None
+    assert result.full_window_throughput_samples_per_s > 0
     assert result.short_train_time_s is not None
     assert 0 < result.short_train_time_s < result.train_time_s
     assert result.val_loss is not None  # the full run still evaluates
@@ -110,11 +115,9 @@ def test_stopping_early_skips_the_rest_and_the_evaluation(tiny_workload: Workloa
     assert result.val_loss is None and result.val_accuracy is None
     assert result.eval_time_s == 0.0
     assert "val_loss" not in result.user_attrs()  # never stored as if measured
-    # Samples counted in the window end at the stop, as in a full run at its end.
+    # The window ends at the stop: the same window as a full trial's.
     assert result.measured_samples + result.warmup_batches * 16 == short
-    assert result.short_throughput_samples_per_s == pytest.approx(
-        result.throughput_samples_per_s, rel=0.05
-    )
+    assert result.full_window_throughput_samples_per_s is None
     # The ceiling: the same model on pre-decoded batches, faster than decoding PNGs per sample.
     assert result.ceiling_samples_per_s is not None
     assert result.ceiling_samples_per_s > result.throughput_samples_per_s
