@@ -1,0 +1,321 @@
+"""``python -m benchmarks {ground-truth,replay,speedup,all} [--quick]``: see README.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import ground_truth, replay, speedup
+from loader_search.config import load_config
+from loader_search.system import cpu_model, usable_cpus
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+
+
+def machine() -> str:
+    import optuna
+    import torch
+
+    return (
+        f"{usable_cpus()} usable CPU(s) of {cpu_model()}, Python {platform.python_version()},"
+        f" torch {torch.__version__}, optuna {optuna.__version__}"
+    )
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """Markdown: ``columns`` are (key, header, format)."""
+    lines = [
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "|".join("---:" if f else "---" for _, _, f in columns) + "|",
+    ]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("-" if value is None else (format(value, fmt) if fmt else str(value)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ground_truth_section(entries: list[ground_truth.Entry]) -> tuple[str, dict[str, Any]]:
+    spreads = [e.spread for e in entries]
+    short_vs_full = [
+        e.throughput / statistics.median(e.full_window_throughputs) - 1 for e in entries
+    ]
+
+    def bias(keep: Any) -> float | None:
+        kind = [e for e in entries if keep(e)]
+        if not kind:
+            return None
+        return statistics.median(
+            e.throughput / statistics.median(e.full_window_throughputs) - 1 for e in kind
+        )
+
+    by_batch: dict[int, list[float]] = {}
+    for e in entries:
+        by_batch.setdefault(e.params.batch_size, []).append(e.val_loss)
+    truth = replay.Truth.of(entries)
+    front = sorted(
+        (e for e in entries if not any(_dominates(o, e) for o in entries)),
+        key=lambda e: -e.throughput,
+    )
+    stats = {
+        "configs": len(entries),
+        "repeats": statistics.median(len(e.throughputs) for e in entries),
+        "spread_median": statistics.median(spreads),
+        "spread_p90": _pct(spreads, 0.9),
+        "spread_max": max(spreads),
+        "short_vs_full_median": statistics.median(short_vs_full),
+        "short_vs_full_p90_abs": _pct([abs(x) for x in short_vs_full], 0.9),
+        "short_vs_full_by_kind": {
+            "no workers": bias(lambda e: e.params.num_workers == 0),
+            "persistent workers": bias(lambda e: e.params.persistent_workers),
+            "workers restarted each epoch": bias(
+                lambda e: e.params.num_workers > 0 and not e.params.persistent_workers
+            ),
+        },
+        "val_loss_spread_within_batch": {
+            b: (max(v) - min(v)) / statistics.median(v) for b, v in sorted(by_batch.items())
+        },
+        "best_throughput": truth.best_throughput,
+    }
+    rows = [
+        {
+            "config": ground_truth.key(e.params),
+            "throughput": e.throughput,
+            "spread": e.spread,
+            "val_loss": e.val_loss,
+            "ceiling": e.ceiling,
+            "eff": e.throughput / e.ceiling if e.ceiling else None,
+            "wall": e.wall_s,
+            "short": e.short_wall_s,
+        }
+        for e in front
+    ]
+    text = "\n".join(
+        [
+            f"{stats['configs']} configurations, {stats['repeats']:.0f} full trials each"
+            " (medians below).",
+            "",
+            "True Pareto front (medians):",
+            "",
+            _table(
+                rows,
+                [
+                    ("config", "configuration", ""),
+                    ("throughput", "samples/s", ",.0f"),
+                    ("spread", "spread", ".0%"),
+                    ("val_loss", "val_loss", ".4f"),
+                    ("ceiling", "ceiling", ",.0f"),
+                    ("eff", "efficiency", ".0%"),
+                    ("wall", "trial s", ".2f"),
+                    ("short", "short trial s", ".2f"),
+                ],
+            ),
+        ]
+    )
+    return text, stats
+
+
+def _dominates(a: ground_truth.Entry, b: ground_truth.Entry) -> bool:
+    return (
+        a.throughput >= b.throughput
+        and a.val_loss <= b.val_loss
+        and (a.throughput > b.throughput or a.val_loss < b.val_loss)
+    )
+
+
+def noise_section(stats: dict[str, Any]) -> str:
+    within = ", ".join(
+        f"batch {b}: {v:.2%}" for b, v in stats["val_loss_spread_within_batch"].items()
+    )
+    return "\n".join(
+        [
+            "Run-to-run spread of one configuration's throughput, (max - min) / median over"
+            f" its repeats: median {stats['spread_median']:.1%}, 90th percentile"
+            f" {stats['spread_p90']:.1%}, worst {stats['spread_max']:.1%}.",
+            "",
+            "Throughput over the study's window (warm-up to the early-stop mark) vs over the"
+            " whole run (warm-up to the end), median over configurations:"
+            f" {stats['short_vs_full_median']:+.1%}; 90th percentile of the"
+            f" absolute difference {stats['short_vs_full_p90_abs']:.1%}. By loader kind: "
+            + ", ".join(
+                f"{k} {v:+.1%}" for k, v in stats["short_vs_full_by_kind"].items() if v is not None
+            )
+            + ".",
+            "",
+            "Validation loss across all loader settings of one batch size, (max - min) /"
+            f" median: {within}.",
+        ]
+    )
+
+
+def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -> str:
+    columns: list[tuple[str, str, str]] = [("variant", "sampler / option", "")]
+    for b in budgets:
+        columns.append((f"hv_gap@{b}", f"HV gap @{b}", ".3f"))
+    for b in budgets:
+        columns.append((f"regret@{b}", f"regret @{b}", ".1%"))
+    for b in budgets:
+        columns.append((f"within5@{b}", f"<=5% @{b}", ".0%"))
+    columns.append(("trials_to_5pct", f"trials to <=5% (of {max(budgets)})", ".0f"))
+    columns.append(("reached_5pct", "reached", ""))
+    cost = [("variant", "sampler / option", "")]
+    for b in budgets:
+        cost.append((f"claim_error@{b}", f"claim error @{b}", ".1%"))
+    for b in budgets:
+        cost.append((f"trials@{b}", f"trials run @{b}", ".0f"))
+        cost.append((f"cost_s@{b}", f"trial time @{b} (s)", ",.0f"))
+    return "\n".join(
+        [
+            f"Medians over {seeds} seeds (regret mean in the JSON). Budgets count the search"
+            " trials; re-measurements come on top. 'random, 2x trials' runs twice each budget.",
+            "",
+            _table(rows, columns),
+            "",
+            "Claim error: |speedup the study reported / true speedup of its recommendation - 1|;"
+            " and what each study cost (sum of its trials' measured wall time, re-measurements"
+            " included):",
+            "",
+            _table(rows, cost),
+        ]
+    )
+
+
+def speedup_section(result: dict[str, Any]) -> str:
+    rows = [
+        {
+            "name": name,
+            "params": c["params"],
+            "throughput": c["throughput"],
+            "spread": c["spread"],
+            "vs_base": c["throughput"] / result["contenders"]["baseline"]["throughput"],
+            "ceiling": c["ceiling"],
+            "eff": c["efficiency"],
+        }
+        for name, c in result["contenders"].items()
+    ]
+    cost = result["cost"]
+    wall = cost["study_wall_s"]
+    shares = [
+        {"part": "training (timed loop)", "s": cost["train_s"]},
+        {"part": "evaluation", "s": cost["eval_s"]},
+        {
+            "part": "rest of the trial process (model set-up, ceiling reading)",
+            "s": cost["trial_other_s"],
+        },
+        {"part": "isolation (fork, result transfer, teardown)", "s": cost["isolation_s"]},
+        {"part": "service (sampler, storage, planning, study set-up)", "s": cost["service_s"]},
+    ]
+    for row in shares:
+        row["share"] = row["s"] / wall
+    return "\n".join(
+        [
+            f"Side by side on {result['device']} ({result['cpus']} CPUs), {result['rounds']}"
+            " shuffled rounds of full trials, medians:",
+            "",
+            _table(
+                rows,
+                [
+                    ("name", "loader", ""),
+                    ("params", "settings", ""),
+                    ("throughput", "samples/s", ",.0f"),
+                    ("spread", "spread", ".0%"),
+                    ("vs_base", "vs baseline", ".2f"),
+                    ("ceiling", "ceiling", ",.0f"),
+                    ("eff", "loader efficiency", ".0%"),
+                ],
+            ),
+            "",
+            f"Recommended vs baseline **{result['speedup_vs_baseline']:.2f}x**, vs rule of thumb"
+            f" **{result['speedup_vs_rule']:.2f}x** (the study itself reported"
+            f" {result['study_recommended_speedup']:.2f}x).",
+            "",
+            f"The study: {wall:.0f} s wall for {cost['trials']} trials"
+            f" ({cost['stopped_early']} stopped early, {cost['confirmations']} re-measurements):",
+            "",
+            _table(
+                shares,
+                [
+                    ("part", "where the time went", ""),
+                    ("s", "s", ".1f"),
+                    ("share", "share", ".0%"),
+                ],
+            ),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("command", choices=["ground-truth", "replay", "speedup", "all"])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it works")
+    parser.add_argument("--repeats", type=int, default=3, help="ground truth: trials per config")
+    parser.add_argument("--seeds", type=int, default=10, help="replay: seeds per variant")
+    parser.add_argument("--budgets", default="10,20,40", help="replay: trial budgets")
+    parser.add_argument("--rounds", type=int, default=5, help="speedup: side-by-side rounds")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=ground_truth.QUICKSTART,
+        help="speedup: the study config (default: studies/quickstart.toml)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for results (default: benchmarks/data, or a temp folder with --quick)",
+    )
+    args = parser.parse_args(argv)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    seeds, repeats, rounds = args.seeds, args.repeats, args.rounds
+    if args.quick:
+        budgets, seeds, repeats, rounds = [6, 10], 2, 2, 2
+    out: Path = args.out or (DATA if not args.quick else Path(tempfile.mkdtemp(prefix="bench-")))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    sections: list[str] = [
+        f"Measured on: {machine()}" + (" (--quick: sizes, not timings)" if args.quick else "")
+    ]
+    results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
+    data = out / ("ground_truth_quick.jsonl" if args.quick else "ground_truth.jsonl")
+    if args.command in ("ground-truth", "replay", "all"):
+        if args.command != "replay" or not data.exists():
+            ground_truth.run(data, repeats=repeats, quick=args.quick)
+        entries = ground_truth.aggregate(ground_truth.read_rows(data))
+        text, stats = ground_truth_section(entries)
+        ground_truth.save_table(entries, out / "ground_truth_table.json", {"machine": machine()})
+        results["ground_truth"] = stats
+        sections += ["## Ground truth", text, "## Noise", noise_section(stats)]
+        if args.command in ("replay", "all"):
+            config = load_config(ground_truth.QUICKSTART)
+            training = (
+                ground_truth.quick_config(config).training if args.quick else config.training
+            )
+            table = ground_truth.QUICK_SPACE if args.quick else ground_truth.FULL_SPACE
+            runs = replay.replay_all(entries, table, training, seeds=seeds, budgets=budgets)
+            rows = replay.table(runs, budgets)
+            results["replay"] = rows
+            sections += ["## Search quality (replay)", replay_section(rows, budgets, seeds)]
+    if args.command in ("speedup", "all"):
+        result = speedup.run(config_path=args.config, quick=args.quick, rounds=rounds, workdir=out)
+        results["speedup"] = result
+        sections += ["## Speedup and cost", speedup_section(result)]
+    results["elapsed_s"] = time.perf_counter() - started
+    (out / f"{args.command}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    report = "\n\n".join(sections) + "\n"
+    (out / f"{args.command}.md").write_text(report)
+    print(report)
+    print(f"(results in {out}; {results['elapsed_s']:.0f} s)")

@@ -1,0 +1,338 @@
+"""Search quality: studies replayed against the ground-truth table.
+
+Every trial of a replayed study goes through the service's own code: its sampler
+(`loader_search.runner.make_sampler`), its search space (`ResolvedSpace.suggest`), the baseline
+first, its early stop (`loader_search.reuse.plan_trial`), its re-measurement of candidates
+(`confirmation_candidates`) and its recommendation rule (`summarize_trials`). Only the training
+is replaced: a trial is answered with one of the table's real repeats of its configuration,
+drawn at random, so the replay sees the measurement noise a study sees: its throughput over the
+study's window (warm-up to the early-stop mark, as every trial is scored) and its validation
+loss. A trial that stops early reports the study's known validation loss of its batch size and
+costs what the shortened run cost. The study itself is a real Optuna study in memory.
+
+Quality is judged against the table's medians (the truth):
+
+* **Hypervolume gap**: 1 - HV(true values of the configurations the study evaluated) /
+  HV(the table's true Pareto front); objectives normalised to [0, 1] over the table
+  (throughput / the best; val_loss min-max), reference point (0 samples/s, val_loss 1.1).
+* **Recommendation regret**: 1 - true throughput of the recommended configuration / the best
+  true throughput among configurations whose true val_loss is equal (within
+  ``EQUAL_LOSS``, which absorbs the thread count's rounding noise) or better.
+* **Claim error**: how far the speedup over the baseline that the study reports is from the
+  true speedup of its recommendation (what re-measurement is for).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna._hypervolume import compute_hypervolume
+from optuna.trial import FrozenTrial
+
+from benchmarks.ground_truth import Entry, Space
+from loader_search.config import SamplerConfig, StudyConfig
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.recommend import (
+    BASELINE_ATTR,
+    CONFIRMATION_ATTR,
+    DIRECTIONS,
+    PARAMS_ATTR,
+    confirmation_candidates,
+    summarize_trials,
+)
+from loader_search.reuse import CEILING_ATTR, VAL_LOSS_ATTR, VAL_LOSS_FROM, plan_trial
+from loader_search.runner import make_sampler
+from loader_search.space import IntRange, ResolvedSpace
+
+EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
+HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)
+LOSS_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The table as the judge sees it."""
+
+    entries: dict[LoaderParams, Entry]
+    best_throughput: float
+    min_loss: float
+    max_loss: float
+    true_hv: float
+
+    @classmethod
+    def of(cls, entries: Sequence[Entry]) -> Truth:
+        table = {e.params: e for e in entries}
+        best = max(e.throughput for e in entries)
+        low = min(e.val_loss for e in entries)
+        high = max(e.val_loss for e in entries)
+        truth = cls(table, best, low, high, 0.0)
+        return replace(truth, true_hv=truth.hypervolume(list(table)))
+
+    def normalised(self, params: LoaderParams) -> tuple[float, float]:
+        entry = self.entries[params]
+        span = (self.max_loss - self.min_loss) or 1.0
+        return entry.throughput / self.best_throughput, (entry.val_loss - self.min_loss) / span
+
+    def hypervolume(self, configs: Sequence[LoaderParams]) -> float:
+        if not configs:
+            return 0.0
+        points = np.array([[-t, v] for t, v in map(self.normalised, set(configs))])
+        reference = np.array([-HV_REFERENCE[0], HV_REFERENCE[1]])
+        return float(compute_hypervolume(points, reference))
+
+    def hv_gap(self, configs: Sequence[LoaderParams]) -> float:
+        return 1.0 - self.hypervolume(configs) / self.true_hv
+
+    def regret(self, params: LoaderParams) -> float:
+        chosen = self.entries[params]
+        limit = chosen.val_loss * (1 + EQUAL_LOSS)
+        best = max(e.throughput for e in self.entries.values() if e.val_loss <= limit)
+        return 1.0 - chosen.throughput / best
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the study: a sampler and the service's options."""
+
+    name: str
+    sampler: SamplerConfig | Callable[[int], optuna.samplers.BaseSampler]
+    trials_factor: int = 1  # "random with twice the trials"
+    reuse_val_loss: bool = True
+    confirm: bool = True
+    threads_searched: bool = False
+
+
+@dataclass(frozen=True)
+class Run:
+    """One replayed study: what it recommends, what its set is worth, what it cost."""
+
+    variant: str
+    seed: int
+    budget: int
+    regret: float
+    hv_gap: float
+    cost_s: float  # the sum of its trials' measured wall times
+    trials: int  # confirmations included
+    stopped_early: int
+    first_within_5pct: int | None  # trials after which the recommendation first had regret <= 5%
+    # The speedup the study reported over its baseline / the true one (table medians) - 1.
+    claim_error: float
+
+
+def resolved(table: Space, threads_searched: bool) -> ResolvedSpace:
+    """The table's space as the service searches it on the table's machine: prefetch is
+    suggested as steps 1..n that map to the table's values (an order-preserving relabelling),
+    and without ``threads_searched`` the thread count follows the service's default rule."""
+    persistent = None if len(set(table.persistent)) == 2 else table.persistent[0]
+    return ResolvedSpace(
+        batch_sizes=table.batch_sizes,
+        num_workers=IntRange(min(table.workers), max(table.workers)),
+        prefetch_factor=IntRange(1, len(table.prefetch)),
+        persistent_workers=persistent,
+        pin_memory=False,
+        torch_threads=IntRange(min(table.threads), max(table.threads))
+        if threads_searched
+        else None,
+        usable_cpus=max(table.threads),
+    )
+
+
+def _to_table(params: LoaderParams, table: Space) -> LoaderParams:
+    if params.prefetch_factor is None:
+        return params
+    return replace(params, prefetch_factor=table.prefetch[params.prefetch_factor - 1])
+
+
+def _gp(seed: int) -> optuna.samplers.BaseSampler:
+    return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
+
+
+class _Replay:
+    """A study whose trials are answered from the table."""
+
+    def __init__(
+        self,
+        truth: Truth,
+        table: Space,
+        variant: Variant,
+        seed: int,
+        training: TrainingSettings,
+    ) -> None:
+        self.truth = truth
+        self.table = table
+        self.variant = variant
+        self.rng = random.Random(seed)
+        self.space = resolved(table, variant.threads_searched)
+        self.training = replace(training, reuse_val_loss=variant.reuse_val_loss)
+        if isinstance(variant.sampler, SamplerConfig):
+            sampler = make_sampler(StudyConfig(sampler=variant.sampler, seed=seed))
+        else:
+            sampler = variant.sampler(seed)
+        self.study = optuna.create_study(directions=list(DIRECTIONS), sampler=sampler)
+        self.cost = 0.0
+        self.train_size: int | None = None
+
+    def trial(self, *, baseline: bool = False) -> None:
+        trial = self.study.ask()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+            params = _to_table(self.space.suggest(trial), self.table)
+        trial.set_user_attr(PARAMS_ATTR, params.as_dict())
+        if baseline:
+            trial.set_user_attr(BASELINE_ATTR, True)
+        entry = self.truth.entries[params]
+        reuse = plan_trial(
+            self.study.get_trials(deepcopy=False),
+            params,
+            self.training,
+            None,
+            self.train_size,
+            reuse_val_loss=self.training.reuse_val_loss,
+        )
+        repeat = self.rng.randrange(len(entry.throughputs))
+        if reuse.plan.stop_early:
+            assert reuse.val_loss is not None
+            throughput, val_loss = entry.throughputs[repeat], reuse.val_loss
+            self.cost += entry.short_wall_s
+            trial.set_user_attr(VAL_LOSS_FROM, list(reuse.val_loss_from))
+        else:
+            throughput, val_loss = entry.throughputs[repeat], entry.val_losses[repeat]
+            self.cost += entry.wall_s
+            trial.set_user_attr(VAL_LOSS_ATTR, val_loss)
+        trial.set_user_attr(CEILING_ATTR, 1.0)  # not judged here
+        self.study.tell(trial, [throughput, val_loss])
+
+    def run(self, budget: int) -> list[FrozenTrial]:
+        self.study.enqueue_trial(self.space.baseline(self.training.base_batch_size))
+        self.trial(baseline=True)
+        for _ in range(budget - 1):
+            self.trial()
+        if self.variant.confirm:
+            summary = summarize_trials("replay", self._trials(), LOSS_TOLERANCE)
+            by_number = {t.number: t for t in self._trials()}
+            for point, missing in confirmation_candidates(summary, 3, 3):
+                for _ in range(missing):
+                    self.study.enqueue_trial(
+                        dict(by_number[point.number].params),
+                        user_attrs={CONFIRMATION_ATTR: True},
+                        skip_if_exists=False,
+                    )
+                    self.trial()
+        return self._trials()
+
+    def _trials(self) -> list[FrozenTrial]:
+        return self.study.get_trials(deepcopy=False)
+
+
+def _table_params(trial: FrozenTrial) -> LoaderParams:
+    return LoaderParams.from_dict(trial.user_attrs[PARAMS_ATTR])
+
+
+def replay_one(
+    truth: Truth,
+    table: Space,
+    variant: Variant,
+    seed: int,
+    budget: int,
+    training: TrainingSettings,
+) -> Run:
+    replay = _Replay(truth, table, variant, seed, training)
+    trials = replay.run(budget * variant.trials_factor)
+    summary = summarize_trials("replay", trials, LOSS_TOLERANCE)
+    assert summary.recommended is not None
+    first = None
+    for n in range(1, len(trials) + 1):
+        prefix = summarize_trials("replay", trials[:n], LOSS_TOLERANCE).recommended
+        if prefix is not None and truth.regret(prefix.point.params) <= 0.05:
+            first = n
+            break
+    assert summary.baseline is not None and summary.recommended.speedup_vs_baseline is not None
+    true_speedup = (
+        truth.entries[summary.recommended.point.params].throughput
+        / truth.entries[summary.baseline.params].throughput
+    )
+    return Run(
+        claim_error=summary.recommended.speedup_vs_baseline / true_speedup - 1,
+        variant=variant.name,
+        seed=seed,
+        budget=budget,
+        regret=truth.regret(summary.recommended.point.params),
+        hv_gap=truth.hv_gap([_table_params(t) for t in trials]),
+        cost_s=replay.cost,
+        trials=len(trials),
+        stopped_early=sum(VAL_LOSS_FROM in t.user_attrs for t in trials),
+        first_within_5pct=first,
+    )
+
+
+def variants() -> list[Variant]:
+    """What the replay compares (see benchmarks/README.md)."""
+    return [
+        Variant("tpe (default)", SamplerConfig()),
+        Variant("tpe multivariate", SamplerConfig(multivariate=True)),
+        Variant("tpe, 5 startup", SamplerConfig(n_startup_trials=5)),
+        Variant("nsga2 (pop 10)", SamplerConfig(name="nsga2", population_size=10)),
+        Variant("gp", _gp),
+        Variant("random", SamplerConfig(name="random")),
+        Variant("random, 2x trials", SamplerConfig(name="random"), trials_factor=2),
+        Variant("tpe, no early stop", SamplerConfig(), reuse_val_loss=False),
+        Variant("tpe, no re-measure", SamplerConfig(), confirm=False),
+        Variant("tpe, threads searched", SamplerConfig(), threads_searched=True),
+    ]
+
+
+def replay_all(
+    entries: Sequence[Entry],
+    table: Space,
+    training: TrainingSettings,
+    *,
+    seeds: int,
+    budgets: Sequence[int],
+    chosen: Sequence[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Run]:
+    truth = Truth.of(entries)
+    runs = []
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        for variant in variants():
+            if chosen is not None and variant.name not in chosen:
+                continue
+            for budget in budgets:
+                for seed in range(seeds):
+                    runs.append(replay_one(truth, table, variant, seed, budget, training))
+            log(f"replayed {variant.name}")
+    return runs
+
+
+def table(runs: Sequence[Run], budgets: Sequence[int]) -> list[dict[str, Any]]:
+    """Medians over seeds per variant and budget."""
+    rows = []
+    names = list(dict.fromkeys(r.variant for r in runs))
+    for name in names:
+        row: dict[str, Any] = {"variant": name}
+        for budget in budgets:
+            group = [r for r in runs if r.variant == name and r.budget == budget]
+            if not group:
+                continue
+            row[f"hv_gap@{budget}"] = statistics.median(r.hv_gap for r in group)
+            row[f"regret@{budget}"] = statistics.median(r.regret for r in group)
+            row[f"regret_mean@{budget}"] = statistics.fmean(r.regret for r in group)
+            row[f"within5@{budget}"] = sum(r.regret <= 0.05 for r in group) / len(group)
+            row[f"cost_s@{budget}"] = statistics.median(r.cost_s for r in group)
+            row[f"claim_error@{budget}"] = statistics.median(abs(r.claim_error) for r in group)
+            row[f"trials@{budget}"] = statistics.median(r.trials for r in group)
+        largest = [r for r in runs if r.variant == name and r.budget == max(budgets)]
+        reached = [r.first_within_5pct for r in largest if r.first_within_5pct is not None]
+        row["trials_to_5pct"] = statistics.median(reached) if reached else None
+        row["reached_5pct"] = f"{len(reached)}/{len(largest)}"
+        rows.append(row)
+    return rows

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent CUDA machine (see ../shared/device/README.md): everything here runs
+# the package from the source tree, from wheels in .whl/ (../shared/device/prepare-wheels.sh
+# psutil). Results and full logs go to $OUT; a small table is printed last.
+#
+#   1. doctor on studies/gpu.toml;
+#   2. `python -m benchmarks speedup --config studies/gpu.toml`: a real 20-trial study on CUDA,
+#      then baseline, rule of thumb and recommendation side by side with their ceilings;
+#   3. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export LOADER_SEARCH_LOCK_DIR=$OUT/locks
+
+step() { echo; echo "=== $1 ($(date +%T))"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+
+step "doctor"
+python3 -m loader_search doctor studies/gpu.toml 2>&1 | tee "$OUT/doctor.txt"
+
+step "study + side by side (studies/gpu.toml)"
+python3 -m benchmarks speedup --config studies/gpu.toml --rounds 3 --out "$OUT/speedup" \
+  > "$OUT/speedup.log" 2>&1
+echo "speedup exit $?"; tail -40 "$OUT/speedup.log"
+
+step "real CUDA out-of-memory (scripts/gpu_oom.toml)"
+python3 -m loader_search run scripts/gpu_oom.toml --storage "sqlite:///$OUT/oom.db" \
+  > "$OUT/oom.log" 2>&1
+echo "oom study exit $?"; tail -30 "$OUT/oom.log"
+
+step "summary"
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+import optuna
+out = Path(sys.argv[1])
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+rows = []
+try:
+    result = json.loads((out / "speedup" / "speedup.json").read_text())["speedup"]
+    for name, c in result["contenders"].items():
+        rows.append(f"{name:<14} {c['throughput']:>9,.0f} samples/s  spread {c['spread']:4.0%}"
+                    f"  ceiling {c['ceiling']:>10,.0f}  efficiency {c['efficiency']:5.1%}  {c['params']}")
+    cost = result["cost"]
+    rows.append(f"speedup vs baseline {result['speedup_vs_baseline']:.2f}x, vs rule of thumb"
+                f" {result['speedup_vs_rule']:.2f}x; study {cost['study_wall_s']:.0f} s,"
+                f" {cost['trials']} trials, {cost['stopped_early']} stopped early")
+    study = optuna.load_study(study_name="gpu", storage=f"sqlite:///{out}/speedup/speedup.db")
+    for t in study.trials:
+        a = t.user_attrs
+        if t.values:
+            rows.append(f"  #{t.number:<3} {t.values[0]:>9,.0f}/s val {t.values[1]:.4f}"
+                        f" wait {a.get('data_wait_fraction', 0):.2f} eff {a.get('loader_efficiency', 0):.3f}"
+                        f" gpu {a.get('peak_gpu_bytes', 0) / 2**30:.2f} GiB {a.get('loader_params')}")
+except Exception as exc:
+    rows.append(f"speedup: no result ({exc!r})")
+try:
+    study = optuna.load_study(study_name="gpu-oom", storage=f"sqlite:///{out}/oom.db")
+    for t in study.trials:
+        a = t.user_attrs
+        p = a.get("loader_params", {})
+        rows.append(f"oom #{t.number}: batch {p.get('batch_size')} workers {p.get('num_workers')}"
+                    f" {t.state.name} {a.get('failure_reason', 'trained')}"
+                    f" peak {a.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB")
+except Exception as exc:
+    rows.append(f"oom: no result ({exc!r})")
+text = "\n".join(rows)
+(out / "summary.txt").write_text(text + "\n")
+print(text)
+PY
