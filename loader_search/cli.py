@@ -684,7 +684,8 @@ class RichReporter:
             f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}\n"
             f"  workload: {escape(info.workload)}\n"
             f"  hardware: {escape(info.device)} (class {info.hardware_class});"
-            f" {info.finished}/{info.budget} trials done"
+            f" {info.finished}/{info.budget} trials done",
+            soft_wrap=True,
         )
         for note in info.notes:
             self.console.print(f"  [yellow]note:[/] {escape(note)}")
@@ -712,7 +713,8 @@ class RichReporter:
             mark = "~" if event.val_loss_from else " "
             self.console.print(
                 f"  #{event.number:<3} {event.throughput:>7,.0f} samples/s  val_loss"
-                f" {event.val_loss:.4f}{mark}{efficiency}  {event.duration_s:4.1f}s  {settings}"
+                f" {event.val_loss:.4f}{mark}{efficiency}  {event.duration_s:4.1f}s  {settings}",
+                soft_wrap=True,
             )
         else:
             label = "[yellow]infeasible[/]" if event.state == "infeasible" else "[red]failed[/]"
@@ -778,8 +780,9 @@ def print_summary(summary: StudySummary) -> None:
         )
     out.print(table)
     out.print(
-        "  * recommended   b baseline   spread: (max-min)/median of the repeated measurements"
-        "   eff: loader efficiency, samples/s / the same model fed pre-decoded data"
+        "  * recommended   b baseline   spread: (max-min)/median of repeated measurements\n"
+        "  eff: loader efficiency, samples/s / the same model fed pre-decoded data",
+        soft_wrap=True,
     )
     if base is not None:
         measured = ""
@@ -788,7 +791,8 @@ def print_summary(summary: StudySummary) -> None:
             measured = f" (median of {len(base.measurements)} trials: {values})"
         out.print(
             f"Baseline (trial #{base.number}, {base.params.describe()}):"
-            f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}"
+            f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}",
+            soft_wrap=True,
         )
     rec = summary.recommended
     if rec is None:
@@ -806,19 +810,21 @@ def print_summary(summary: StudySummary) -> None:
             f" = [bold]{rec.speedup_vs_baseline:.2f}x the baseline[/], val_loss"
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
         )
-    out.print(headline)
+    out.print(headline, soft_wrap=True)
     if rec.point.measurements and not rec.point.is_baseline:
         values = ", ".join(f"{v:,.0f}" for v in rec.point.measurements)
         out.print(
             f"  measured {len(rec.point.measurements)} times (trials"
             f" {', '.join(f'#{n}' for n in rec.point.numbers)}): {values} samples/s,"
-            f" spread {rec.point.spread:.0%}; the median counts"
+            f" spread {rec.point.spread:.0%}; the median counts",
+            soft_wrap=True,
         )
     if rec.point.loader_efficiency:
         out.print(
             f"  loader efficiency {rec.point.loader_efficiency:.0%}: the same model fed"
             " pre-decoded data already on the device trains"
-            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s"
+            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s",
+            soft_wrap=True,
         )
     out.print(f"  rule: {rec.rule}", soft_wrap=True)
     out.print(
