@@ -40,6 +40,7 @@ from loader_search.recommend import (
     BASELINE_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
+    LOADER_EFFICIENCY_ATTR,
     PARAMS_ATTR,
     THROUGHPUT,
     VAL_LOSS,
@@ -90,6 +91,7 @@ class ReportTrial:
     val_loss: float | None
     data_wait_fraction: float | None
     bound: Bound | None
+    loader_efficiency: float | None  # throughput / ceiling (see loader_search.reuse)
     peak_host_rss_bytes: int | None
     peak_gpu_bytes: int | None
     duration_s: float | None  # wall time from the trial's start to its end
@@ -315,6 +317,7 @@ def _report_trial(trial: FrozenTrial, status: TrialStatus) -> ReportTrial:
         val_loss=trial.values[1] if measured and trial.values else None,
         data_wait_fraction=wait if measured else None,
         bound=bound,
+        loader_efficiency=_number(attrs.get(LOADER_EFFICIENCY_ATTR)) if measured else None,
         peak_host_rss_bytes=int(rss) if rss is not None else None,
         peak_gpu_bytes=int(gpu) if gpu is not None else None,
         duration_s=_duration(trial),

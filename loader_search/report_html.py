@@ -30,6 +30,7 @@ PLOT_IDS = (
     "plot-importances",
     "plot-throughput-grid",
     "plot-data-wait",
+    "plot-efficiency",
     "plot-memory",
 )
 _TEMPLATE = "plotly_white"
@@ -56,6 +57,7 @@ def render(data: ReportData) -> str:
         "plot-importances": importances_figure(data),
         "plot-throughput-grid": throughput_grid_figure(data),
         "plot-data-wait": data_wait_figure(data),
+        "plot-efficiency": efficiency_figure(data),
         "plot-memory": memory_figure(data),
     }
     specs = {key: json.loads(fig.to_json()) for key, fig in figures.items()}
@@ -93,6 +95,14 @@ def render(data: ReportData) -> str:
             "Share of the measured window the training loop spent waiting for the next batch."
             f" Above {data.input_bound_threshold:.0%}: input-bound (the loader set the pace),"
             " else compute-bound. A diagnostic, never the score.",
+        ),
+        _section(
+            "Loader efficiency per trial",
+            "plot-efficiency",
+            "Throughput divided by the ceiling: the same model and batch size trained on"
+            " pre-decoded batches already on the device, which no loader setting can beat."
+            " Near 100% the loader no longer limits training; far below, the model waits for"
+            " data.",
         ),
         _section("Peak memory against batch size", "plot-memory", _memory_note(data)),
         _failures(data),
@@ -370,6 +380,27 @@ def data_wait_figure(data: ReportData) -> go.Figure:
     fig.update_xaxes(title_text="trial number", dtick=1)
     fig.update_yaxes(title_text="data-wait fraction", range=[0, 1])
     fig.update_layout(height=340, template=_TEMPLATE, legend=dict(orientation="h", y=1.12))
+    return fig
+
+
+def efficiency_figure(data: ReportData) -> go.Figure:
+    rows = [t for t in data.trials if t.loader_efficiency is not None]
+    fig = go.Figure(
+        go.Bar(
+            x=[t.number for t in rows],
+            y=[t.loader_efficiency for t in rows],
+            marker_color=[
+                _COLORS["baseline"] if t.is_baseline else _COLORS["compute"] for t in rows
+            ],
+            text=[_label(t) for t in rows],
+            hoverinfo="text",
+            textposition="none",
+        )
+    )
+    fig.add_hline(y=1.0, line=dict(dash="dash", color="#555"), annotation_text="the ceiling")
+    fig.update_xaxes(title_text="trial number", dtick=1)
+    fig.update_yaxes(title_text="loader efficiency", tickformat=".0%", rangemode="tozero")
+    fig.update_layout(height=340, template=_TEMPLATE, showlegend=False)
     return fig
 
 

@@ -157,6 +157,15 @@ def test_bounds_follow_the_documented_threshold(data: ReportData) -> None:
         assert row.bound == expected
 
 
+def test_every_measured_trial_reports_its_loader_efficiency(data: ReportData) -> None:
+    for row in data.trials:
+        if row.status in ("pareto", "dominated"):
+            # throughput / the ceiling, both real measurements: positive, and not absurd
+            assert row.loader_efficiency is not None and 0 < row.loader_efficiency < 2
+        else:
+            assert row.loader_efficiency is None
+
+
 def test_grid_memory_failures_and_hardware(
     real_study: tuple[str, optuna.Study], data: ReportData
 ) -> None:
