@@ -203,8 +203,10 @@ def run(
     """Run (or continue) a study: every trial trains the workload with one loader setting.
 
     The first trial of a new study is the baseline (the config's batch size, num_workers=0).
-    Running again with the same study name continues it until its trial budget is used;
-    `loader-search worker` processes on other machines can join it meanwhile.
+    Running again with the same study name continues it until its trial budget is used; then
+    the best candidates and the baseline are measured again (beyond the budget) so that the
+    recommendation rests on medians. `loader-search worker` processes on other machines can
+    join it meanwhile.
     """
     from loader_search.config import load_config
 
@@ -279,7 +281,10 @@ def worker(
         int | None,
         typer.Option(
             "--n-trials",
-            help="Run at most this many trials here. Default: until the study's budget is used.",
+            help=(
+                "Run at most this many trials here. Default: until the study's budget is used"
+                " and its candidates are re-measured."
+            ),
             show_default=False,
         ),
     ] = None,
@@ -691,7 +696,9 @@ class RichReporter:
             self.console.print(f"  [yellow]note:[/] {escape(note)}")
         if info.finished >= info.budget:
             self.console.print(
-                f"  Trial budget already used; raise --n-trials above {info.budget} to run more."
+                f"  Trial budget already used; raise --n-trials above {info.budget} to search"
+                " more (candidates not yet re-measured still are).",
+                soft_wrap=True,
             )
             return
         self.progress.start()

@@ -93,6 +93,11 @@ class StepMeter:
     def in_window(self) -> bool:
         return self._window_start is not None
 
+    @property
+    def measured_samples(self) -> int:
+        """Samples counted in the window so far."""
+        return self._samples
+
     def snapshot(self) -> WindowStats:
         """The window so far, the meter running on (device-synchronised, as `finish`)."""
         return self.finish()

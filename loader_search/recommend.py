@@ -40,7 +40,7 @@ LOADER_EFFICIENCY_ATTR = "loader_efficiency"  # throughput / ceiling (see loader
 FINGERPRINT_ATTR = "fingerprint"
 BUDGET_ATTR = "trial_budget"
 TOLERANCE_ATTR = "loss_tolerance"
-CONFIRMED_BUDGET_ATTR = "confirmed_at_budget"  # the budget whose candidates were re-measured
+CONFIRM_ATTR = "confirm"  # {"top": confirm_top, "repeats": confirm_repeats}, set by run/init
 # Trial attribute: a re-measurement of a candidate, queued after the budget was used.
 CONFIRMATION_ATTR = "confirmation"
 

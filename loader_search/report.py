@@ -240,7 +240,8 @@ def collect(
     complete = [t for t in finished if t.state == TrialState.COMPLETE]
     feasible = _get_feasible_trials(complete)
     feasible_numbers = {t.number for t in feasible}
-    pareto_numbers = {p.number for p in summary.pareto}
+    # Every trial of a Pareto-optimal setting (repeats are one point: their median).
+    pareto_numbers = {n for p in summary.pareto for n in (p.numbers or (p.number,))}
     rows = tuple(_report_trial(t, _status(t, pareto_numbers, feasible_numbers)) for t in finished)
     return ReportData(
         study=study.study_name,

@@ -28,6 +28,7 @@ from loader_search.hardware import Hardware, collect, gpu_count
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import (
     BUDGET_ATTR,
+    CONFIRM_ATTR,
     DIRECTIONS,
     FINGERPRINT_ATTR,
     METRIC_NAMES,
@@ -114,6 +115,9 @@ def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str
     under other training settings would not compare. (Hardware is checked apart, per trial:
     see `_check_hardware`.)"""
     return {
+        # How throughput is measured: warm-up to the early-stop mark (loader_search.trial).
+        # Studies that earlier versions measured over the whole run do not compare.
+        "throughput_window": "warmup-to-mark",
         "workload": spec,
         "workload_options": dict(workload.options or config.workload_options),
         "space": config.space.as_dict(),
@@ -125,6 +129,7 @@ def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str
             "warmup_batches": config.training.warmup_batches,
             "eval_batch_size": config.training.eval_batch_size,
             "seed": config.training.seed,
+            "reuse_val_loss": config.training.reuse_val_loss,
         },
     }
 
@@ -375,6 +380,9 @@ def _create_or_continue(
             study.set_user_attr(key, value)
     study.set_user_attr(BUDGET_ATTR, budget)
     study.set_user_attr(TOLERANCE_ATTR, config.loss_tolerance)
+    study.set_user_attr(
+        CONFIRM_ATTR, {"top": config.confirm_top, "repeats": config.confirm_repeats}
+    )
     info = StudyInfo(
         name=name,
         storage=shown,

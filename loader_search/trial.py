@@ -198,10 +198,11 @@ def run_trial(
                 eval_time = time.perf_counter() - eval_start
                 if not math.isfinite(val_loss):
                     raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
+        # The trial's own peak: the ceiling's extra batches on the device are not the loader's.
+        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ceiling = None
         if plan.measure_ceiling:
             ceiling = measure_ceiling(model, optimizer, workload, params, device, tick)
-        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     finally:
         torch.set_num_threads(previous_threads)
     window = mark.stats or stats
@@ -245,7 +246,7 @@ class _Mark:
     def reached(self, seen: int, meter: StepMeter) -> None:
         if self.samples is None or self.stats is not None or seen < self.samples:
             return
-        if meter.in_window:  # too early a mark has no window: no reading
+        if meter.measured_samples > 0:  # too early a mark has no window: no reading
             self.stats = meter.snapshot()
             self.elapsed_s = time.perf_counter() - self._started
 

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -50,11 +51,12 @@ from loader_search.params import LoaderParams
 from loader_search.recommend import (
     BASELINE_ATTR,
     BUDGET_ATTR,
+    CONFIRM_ATTR,
     CONFIRMATION_ATTR,
-    CONFIRMED_BUDGET_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     PARAMS_ATTR,
+    TOLERANCE_ATTR,
     confirmation_candidates,
     is_feasible,
     summarize,
@@ -66,7 +68,8 @@ from loader_search.workloads import Workload
 
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 RETRY_HISTORY = "retry_history"  # system attribute of a retried trial (as Optuna names it)
-_KEPT_ON_RETRY = frozenset({BASELINE_ATTR})  # what a retry copies of the dead trial's attrs
+# What a retry copies of the dead trial's attrs: what it is, not what it half-measured.
+_KEPT_ON_RETRY = frozenset({BASELINE_ATTR, CONFIRMATION_ATTR})
 
 # Warnings about what this module does on purpose; set once, as `warnings.catch_warnings`
 # is not thread-safe and the sweeper and heartbeat threads run beside the main one.
@@ -349,7 +352,7 @@ def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, Loader
                 and not _combinations_left(trials, session.space)
             )
             if exhausted:
-                if not queue_confirmations(session, trials, attrs, budget):
+                if not queue_confirmations(session, trials, attrs):
                     return None
             else:
                 ensure_baseline(study, session.space, session.config.training.base_batch_size)
@@ -375,37 +378,60 @@ def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, Loader
 
 
 def queue_confirmations(
-    session: Session, trials: Sequence[FrozenTrial], attrs: Mapping[str, Any], budget: int
+    session: Session, trials: Sequence[FrozenTrial], attrs: Mapping[str, Any]
 ) -> bool:
     """Once the budget is used: queue re-measurements of the candidates the recommendation
     chooses from, so that it rests on medians (call under the study lock). Returns whether
-    any were queued; done once per budget (a raised budget searches on, then confirms again).
+    any were queued.
 
     The candidates are the ``confirm_top`` fastest points of the Pareto front within the
     loss tolerance, and the baseline: each runs until it has ``confirm_repeats``
-    measurements. Trials still running are waited for first (they may be candidates).
+    measurements. Called again whenever the queue runs dry, as a point that falls back to its
+    median can let another one in; that one is re-measured too. A setting gets at most
+    ``2 * confirm_repeats`` re-measurements (some may fail), so this ends. Trials still
+    running are waited for first (they may be candidates). Settings are taken from the
+    study (``run`` and ``init`` store them), so every worker applies the same ones.
     """
-    config = session.config
-    if config.confirm_top == 0 or int(attrs.get(CONFIRMED_BUDGET_ATTR, -1)) >= budget:
+    top, repeats = confirm_settings(attrs, session.config)
+    if top == 0:
         return False
     if any(t.state == TrialState.RUNNING for t in trials):
         return False  # the last worker to finish queues them
     study = session.study
-    summary = summarize(study, config.loss_tolerance, session.hardware.hardware_class)
+    tolerance = float(attrs.get(TOLERANCE_ATTR, session.config.loss_tolerance))
+    summary = summarize(study, tolerance, session.hardware.hardware_class)
     by_number = {t.number: t for t in trials}
-    queued = 0
-    for point, missing in confirmation_candidates(
-        summary, config.confirm_top, config.confirm_repeats
-    ):
-        for _ in range(missing):
-            study.enqueue_trial(
-                dict(by_number[point.number].params),
-                user_attrs={CONFIRMATION_ATTR: True},
-                skip_if_exists=False,
-            )
-            queued += 1
-    study.set_user_attr(CONFIRMED_BUDGET_ATTR, budget)
-    return queued > 0
+    attempts = Counter(_loader_params(t) for t in trials if t.user_attrs.get(CONFIRMATION_ATTR))
+    wanted = []
+    for point, missing in confirmation_candidates(summary, top, repeats):
+        allowed = min(missing, 2 * repeats - attempts[point.params])
+        if allowed > 0:
+            wanted.append((by_number[point.number], allowed))
+    # Round-robin (A, B, baseline, A, B, ...): a change of load on the machine then hits
+    # every candidate alike, and a timeout leaves them evenly measured.
+    for round_ in range(max((n for _, n in wanted), default=0)):
+        for source, allowed in wanted:
+            if round_ < allowed:
+                study.enqueue_trial(
+                    dict(source.params),
+                    user_attrs={CONFIRMATION_ATTR: True},
+                    skip_if_exists=False,
+                )
+    return bool(wanted)
+
+
+def confirm_settings(attrs: Mapping[str, Any], config: StudyConfig) -> tuple[int, int]:
+    """``(confirm_top, confirm_repeats)`` as the study stores them (else the config's)."""
+    stored = attrs.get(CONFIRM_ATTR) or {}
+    return (
+        int(stored.get("top", config.confirm_top)),
+        int(stored.get("repeats", config.confirm_repeats)),
+    )
+
+
+def _loader_params(trial: FrozenTrial) -> LoaderParams | None:
+    stored = trial.user_attrs.get(PARAMS_ATTR)
+    return LoaderParams.from_dict(stored) if stored else None
 
 
 def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserError:

@@ -99,7 +99,7 @@ def test_pareto_set_is_optunas_best_trials(
     study = real_study[1]
     infeasible, failed = study.trials[-2].number, study.trials[-1].number
     assert {t.number for t in study.best_trials} == _numbers(data, "pareto")
-    assert {p.number for p in data.summary.pareto} == _numbers(data, "pareto")
+    assert {n for p in data.summary.pareto for n in p.numbers} == _numbers(data, "pareto")
     assert _numbers(data, "infeasible") == {infeasible}
     assert _numbers(data, "failed") == {failed}
     assert len(data.trials) == len(study.trials)

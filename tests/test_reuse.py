@@ -7,15 +7,18 @@ import dataclasses
 import statistics
 
 import optuna
+import pytest
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.config import SamplerConfig, StudyConfig
+from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import (
     BASELINE_ATTR,
     CONFIRMATION_ATTR,
     PARAMS_ATTR,
     TrialPoint,
+    confirmation_candidates,
     merge_repeats,
     pareto_front,
 )
@@ -134,6 +137,15 @@ def test_candidates_are_measured_again_before_the_recommendation(
         assert point.spread is not None and point.spread >= 0
     baseline_trials = [t for t in trials if t.user_attrs.get(BASELINE_ATTR)]
     assert len(baseline_trials) == 1  # repeats are not baselines of their own
+    # Re-measuring went on until no candidate of the final summary lacked a measurement
+    # (a point falling back to its median can let another one in).
+    assert confirmation_candidates(summary, 2, 3) == []
+    # Round-robin: the re-measurements of different settings alternate.
+    order = [_params(t) for t in sorted(repeats, key=lambda t: t.number)]
+    if len(set(order)) > 1:
+        assert order[0] != order[1]
+    # Every worker re-measures alike: the settings are stored with the study.
+    assert study.user_attrs["confirm"] == {"top": 2, "repeats": 3}
     # A second run of the finished study queues nothing more.
     run_study(config, workload=tiny_workload, storage=sqlite_url)
     assert len(_complete(optuna.load_study(study_name="reuse", storage=sqlite_url))) == len(trials)
@@ -167,3 +179,20 @@ def test_pareto_front_keeps_only_undominated_points() -> None:
     c = _point(3, 32, 0, 150.0, 0.9)  # dominated by b
     d = _point(4, 64, 0, 300.0, 1.2)  # as fast as a, worse loss: dominated
     assert pareto_front([c, d, b, a]) == (a, b)
+
+
+def test_a_study_measured_over_another_window_is_not_continued(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    config = dataclasses.replace(CONFIG, trials=2, confirm_top=0)
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    study = optuna.load_study(study_name="reuse", storage=sqlite_url)
+    # What an earlier version stored: no throughput window (it measured the whole run).
+    old = dict(study.user_attrs["fingerprint"])
+    del old["throughput_window"]
+    study.set_user_attr("fingerprint", old)
+    with pytest.raises(UserError, match="throughput_window"):
+        run_study(
+            dataclasses.replace(config, trials=3), workload=tiny_workload, storage=sqlite_url
+        )
+    assert len(optuna.load_study(study_name="reuse", storage=sqlite_url).trials) == 2

@@ -9,9 +9,15 @@ import optuna
 from optuna.trial import TrialState
 
 from loader_search.objective import CONSTRAINT, FAILURE_REASON
-from loader_search.recommend import BASELINE_ATTR, DIRECTIONS
+from loader_search.recommend import BASELINE_ATTR, CONFIRMATION_ATTR, DIRECTIONS
 from loader_search.storage import Heartbeat, open_storage
-from loader_search.worker import RetryStaleTrial, _Health, count_used, fail_stale_trials
+from loader_search.worker import (
+    RetryStaleTrial,
+    _Health,
+    count_used,
+    fail_stale_trials,
+    uses_budget,
+)
 
 GRACE_S = 2
 
@@ -69,3 +75,17 @@ def test_a_retry_keeps_the_settings_but_not_the_dead_trial_s_outcome(tmp_path: P
     time.sleep(GRACE_S + 1)
     fail_stale_trials(study, _Health(), GRACE_S)
     assert not study.get_trials(states=(TrialState.WAITING,))
+
+
+def test_a_retried_re_measurement_stays_beyond_the_budget(tmp_path: Path) -> None:
+    study = _study(tmp_path)
+    trial = study.ask()
+    study._storage.record_heartbeat(trial._trial_id)  # type: ignore[attr-defined]
+    trial.suggest_int("batch_size", 16, 64)
+    trial.set_user_attr(CONFIRMATION_ATTR, True)  # a re-measurement whose worker then died
+    time.sleep(GRACE_S + 1)
+    fail_stale_trials(study, _Health(), GRACE_S)
+    (retry,) = study.get_trials(states=(TrialState.WAITING,))
+    assert retry.user_attrs == {CONFIRMATION_ATTR: True}
+    assert not uses_budget(retry)  # it stays a re-measurement, not a search trial
+    assert count_used(study.get_trials(), (TrialState.FAIL, TrialState.WAITING)) == 0
