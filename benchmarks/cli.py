@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -90,6 +91,8 @@ def ground_truth_section(entries: list[ground_truth.Entry]) -> tuple[str, dict[s
             b: (max(v) - min(v)) / statistics.median(v) for b, v in sorted(by_batch.items())
         },
         "best_throughput": truth.best_throughput,
+        # What a ceiling reading adds to a trial (the replay charges it once per pair).
+        "ceiling_reading_s_median": statistics.median(e.ceiling_wall_s for e in entries),
     }
     rows = [
         {
@@ -162,7 +165,40 @@ def noise_section(stats: dict[str, Any]) -> str:
     )
 
 
+def _count(value: float) -> str:
+    """A count or a median of counts: 9, 9.5."""
+    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
+
+
+def trials_to_5pct_text(row: dict[str, Any]) -> str:
+    """``replay.trials_to_5pct`` as a cell: the median, or ">N" when it is not reached."""
+    if row.get("trials_to_5pct") is not None:
+        return _count(row["trials_to_5pct"])
+    if row.get("trials_to_5pct_above") is not None:
+        return ">" + _count(row["trials_to_5pct_above"])
+    return "-"
+
+
+def _regret_ci_text(row: dict[str, Any], budget: int) -> str | None:
+    if f"regret_mean@{budget}" not in row:
+        return None
+    low, high = row[f"regret_ci@{budget}"]
+    return f"{row[f'regret_mean@{budget}']:.1%} [{low:.1%}, {high:.1%}]"
+
+
+def _paired_text(row: dict[str, Any], budget: int) -> str | None:
+    paired = row.get(f"vs_{replay.BASE_VARIANT}@{budget}")
+    if paired is None:
+        return None
+    low, high = paired["ci"]
+    return (
+        f"{paired['mean'] * 100:+.1f} pp [{low * 100:+.1f}, {high * 100:+.1f}],"
+        f" {paired['wins']}/{paired['losses']}"
+    )
+
+
 def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -> str:
+    rows = [{**row, "trials_to_5pct_text": trials_to_5pct_text(row)} for row in rows]
     columns: list[tuple[str, str, str]] = [("variant", "sampler / option", "")]
     for b in budgets:
         columns.append((f"hv_gap@{b}", f"HV gap @{b}", ".3f"))
@@ -170,8 +206,28 @@ def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -
         columns.append((f"regret@{b}", f"regret @{b}", ".1%"))
     for b in budgets:
         columns.append((f"within5@{b}", f"<=5% @{b}", ".0%"))
-    columns.append(("trials_to_5pct", f"trials to <=5% (of {max(budgets)})", ".0f"))
+    columns.append(("trials_to_5pct_text", f"trials to <=5% @{max(budgets)} (all trials run)", ""))
     columns.append(("reached_5pct", "reached", ""))
+    paired = any(f"vs_{replay.BASE_VARIANT}@{b}" in row for row in rows for b in budgets)
+    means = [
+        {
+            "variant": row["variant"],
+            **{f"ci@{b}": _regret_ci_text(row, b) for b in budgets},
+            **{f"vs@{b}": _paired_text(row, b) for b in budgets},
+        }
+        for row in rows
+    ]
+    mean_columns: list[tuple[str, str, str]] = [("variant", "sampler / option", "")]
+    for b in budgets:
+        mean_columns.append((f"ci@{b}", f"mean regret @{b} [95% CI]", ""))
+        if paired:
+            mean_columns.append(
+                (
+                    f"vs@{b}",
+                    f"paired vs {replay.BASE_VARIANT} @{b}: mean diff [CI], wins/losses",
+                    "",
+                )
+            )
     cost = [("variant", "sampler / option", "")]
     for b in budgets:
         cost.append((f"claim_error@{b}", f"claim error @{b}", ".1%"))
@@ -180,10 +236,27 @@ def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -
         cost.append((f"cost_s@{b}", f"trial time @{b} (s)", ",.0f"))
     return "\n".join(
         [
-            f"Medians over {seeds} seeds (regret mean in the JSON). Budgets count the search"
-            " trials; re-measurements come on top. 'random, 2x trials' runs twice each budget.",
+            f"Medians over {seeds} seeds. Budgets count the search trials; re-measurements come"
+            " on top. 'random, 2x trials' runs twice each budget. Trials to <=5%: the median"
+            " over all seeds of the trials run until the recommendation was first within 5% of"
+            " the best (re-measurements and the 2x variant's extra trials count); a seed that"
+            " never got there counts as never, and '>N' means the median was not reached"
+            " (N: that median with such a seed counted as the trials it ran).",
             "",
             _table(rows, columns),
+            "",
+            "Mean regret over seeds with its 95% bootstrap interval"
+            + (
+                f"; and, seed by seed at the same budget, the variant's regret minus"
+                f" {replay.BASE_VARIANT}'s: mean difference in percentage points (negative is"
+                " better) with its 95% bootstrap interval, and the seeds where the variant's"
+                " regret was lower (wins) / higher (losses)"
+                if paired
+                else ""
+            )
+            + ":",
+            "",
+            _table(means, mean_columns),
             "",
             "Claim error: |speedup the study reported / true speedup of its recommendation - 1|;"
             " and what each study cost (sum of its trials' measured wall time, re-measurements"
@@ -263,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=["ground-truth", "replay", "speedup", "all"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it works")
     parser.add_argument("--repeats", type=int, default=3, help="ground truth: trials per config")
-    parser.add_argument("--seeds", type=int, default=10, help="replay: seeds per variant")
+    parser.add_argument("--seeds", type=int, default=30, help="replay: seeds per variant")
     parser.add_argument("--budgets", default="10,20,40", help="replay: trial budgets")
     parser.add_argument("--rounds", type=int, default=5, help="speedup: side-by-side rounds")
     parser.add_argument(
@@ -308,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = replay.replay_all(entries, table, training, seeds=seeds, budgets=budgets)
             rows = replay.table(runs, budgets)
             results["replay"] = rows
+            results["replay_runs"] = [dataclasses.asdict(run) for run in runs]
             sections += ["## Search quality (replay)", replay_section(rows, budgets, seeds)]
     if args.command in ("speedup", "all"):
         result = speedup.run(config_path=args.config, quick=args.quick, rounds=rounds, workdir=out)

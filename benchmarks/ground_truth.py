@@ -190,6 +190,9 @@ class Entry:
     short_wall_s: float  # median wall time of the same trial stopped early
     train_time_s: float
     ceiling: float | None  # median samples/s on pre-decoded data (per batch size and threads)
+    # What a ceiling reading adds to a trial: the median wall time of this configuration's
+    # runs that measured the ceiling minus ``wall_s`` (the runs that did not), at least 0.
+    ceiling_wall_s: float = 0.0
 
     @property
     def spread(self) -> float:
@@ -209,6 +212,7 @@ class Entry:
             "short_wall_s": self.short_wall_s,
             "train_time_s": self.train_time_s,
             "ceiling": self.ceiling,
+            "ceiling_wall_s": self.ceiling_wall_s,
         }
 
     @classmethod
@@ -224,6 +228,7 @@ class Entry:
             short_wall_s=data["short_wall_s"],
             train_time_s=data["train_time_s"],
             ceiling=data["ceiling"],
+            ceiling_wall_s=data.get("ceiling_wall_s", 0.0),  # absent in older tables
         )
 
 
@@ -242,9 +247,17 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[Entry]:
         if any("failure" in r for r in group):
             continue
         params = LoaderParams.from_dict(group[0]["params"])
-        # A ceiling reading costs its trial extra time, which no study trial pays: a
-        # trial's cost comes from the other repeats (all of them if there are none).
+        # A ceiling reading costs its trial extra time, which a study pays once per batch
+        # size and thread count: a trial's cost comes from the other repeats (all of them if
+        # there are none), the reading's from the difference.
+        with_ceiling = [r for r in group if r.get("ceiling")]
         timed = [r for r in group if not r.get("ceiling")] or group
+        wall_s = statistics.median(r["wall_s"] for r in timed)
+        ceiling_wall_s = 0.0
+        if with_ceiling:
+            ceiling_wall_s = max(
+                0.0, statistics.median(r["wall_s"] for r in with_ceiling) - wall_s
+            )
         # What a shortened trial costs: its training until the reading, plus the full
         # trial's time outside training and evaluation (fork, start-up, teardown).
         short_walls = [
@@ -260,10 +273,11 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[Entry]:
                 val_loss=statistics.median(r["val_loss"] for r in group),
                 val_losses=tuple(r["val_loss"] for r in group),
                 full_window_throughputs=tuple(r["full_window_throughput"] for r in group),
-                wall_s=statistics.median(r["wall_s"] for r in timed),
+                wall_s=wall_s,
                 short_wall_s=statistics.median(short_walls),
                 train_time_s=statistics.median(r["train_time_s"] for r in group),
                 ceiling=statistics.median(ceiling) if ceiling else None,
+                ceiling_wall_s=ceiling_wall_s,
             )
         )
     return sorted(entries, key=lambda e: key(e.params))

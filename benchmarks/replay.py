@@ -8,7 +8,11 @@ is replaced: a trial is answered with one of the table's real repeats of its con
 drawn at random, so the replay sees the measurement noise a study sees: its throughput over the
 study's window (warm-up to the early-stop mark, as every trial is scored) and its validation
 loss. A trial that stops early reports the study's known validation loss of its batch size and
-costs what the shortened run cost. The study itself is a real Optuna study in memory.
+costs what the shortened run cost. The first trial of each batch size and thread count also
+measures the ceiling, as in the service, and pays what a ceiling reading costs; later trials of
+that pair reuse it. Once the budget is used, the candidates are re-measured as the service does
+(`confirmation_candidates`, round-robin, at most ``2 * CONFIRM_REPEATS`` re-measurements per
+setting, until nothing is missing). The study itself is a real Optuna study in memory.
 
 Quality is judged against the table's medians (the truth):
 
@@ -24,11 +28,13 @@ Quality is judged against the table's medians (the truth):
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +60,12 @@ from loader_search.space import IntRange, ResolvedSpace
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
 HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)
 LOSS_TOLERANCE = 0.05
+# The service's defaults: re-measure the 3 fastest candidates and the baseline, 3 times in all.
+CONFIRM_TOP: int = StudyConfig.confirm_top
+CONFIRM_REPEATS: int = StudyConfig.confirm_repeats
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+BASE_VARIANT = "random"  # what the other variants are compared with, seed by seed
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,9 @@ class Truth:
     min_loss: float
     max_loss: float
     true_hv: float
+    # What a ceiling reading adds to a trial, per (batch size, threads): the median over the
+    # configurations of the pair (one configuration's difference is noisy).
+    ceiling_wall_s: dict[tuple[int, int], float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, entries: Sequence[Entry]) -> Truth:
@@ -72,7 +87,11 @@ class Truth:
         best = max(e.throughput for e in entries)
         low = min(e.val_loss for e in entries)
         high = max(e.val_loss for e in entries)
-        truth = cls(table, best, low, high, 0.0)
+        by_pair: dict[tuple[int, int], list[float]] = {}
+        for e in entries:
+            by_pair.setdefault(_pair(e.params), []).append(e.ceiling_wall_s)
+        ceiling = {pair: statistics.median(values) for pair, values in by_pair.items()}
+        truth = cls(table, best, low, high, 0.0, ceiling)
         return replace(truth, true_hv=truth.hypervolume(list(table)))
 
     def normalised(self, params: LoaderParams) -> tuple[float, float]:
@@ -144,6 +163,11 @@ def resolved(table: Space, threads_searched: bool) -> ResolvedSpace:
     )
 
 
+def _pair(params: LoaderParams) -> tuple[int, int]:
+    """What the ceiling depends on: batch size and thread count."""
+    return params.batch_size, params.torch_threads
+
+
 def _to_table(params: LoaderParams, table: Space) -> LoaderParams:
     if params.prefetch_factor is None:
         return params
@@ -206,7 +230,11 @@ class _Replay:
             throughput, val_loss = entry.throughputs[repeat], entry.val_losses[repeat]
             self.cost += entry.wall_s
             trial.set_user_attr(VAL_LOSS_ATTR, val_loss)
-        trial.set_user_attr(CEILING_ATTR, 1.0)  # not judged here
+        if reuse.plan.measure_ceiling:
+            # The first trial of its batch size and thread count: it reads the ceiling (its
+            # value is not judged here) and pays for it; later trials of the pair reuse it.
+            self.cost += self.truth.ceiling_wall_s.get(_pair(params), 0.0)
+            trial.set_user_attr(CEILING_ATTR, entry.ceiling or 1.0)
         self.study.tell(trial, [throughput, val_loss])
 
     def run(self, budget: int) -> list[FrozenTrial]:
@@ -215,17 +243,39 @@ class _Replay:
         for _ in range(budget - 1):
             self.trial()
         if self.variant.confirm:
-            summary = summarize_trials("replay", self._trials(), LOSS_TOLERANCE)
-            by_number = {t.number: t for t in self._trials()}
-            for point, missing in confirmation_candidates(summary, 3, 3):
-                for _ in range(missing):
+            while queued := self.queue_confirmations():
+                for _ in range(queued):
+                    self.trial()
+        return self._trials()
+
+    def queue_confirmations(self) -> int:
+        """`loader_search.worker.queue_confirmations`: what is missing of the candidates'
+        re-measurements, at most ``2 * CONFIRM_REPEATS`` per setting in all, queued
+        round-robin (A, B, baseline, A, ...). Returns how many were queued."""
+        trials = self._trials()
+        summary = summarize_trials("replay", trials, LOSS_TOLERANCE)
+        by_number = {t.number: t for t in trials}
+        attempts = Counter(
+            _table_params(t)
+            for t in trials
+            if t.user_attrs.get(CONFIRMATION_ATTR) and t.user_attrs.get(PARAMS_ATTR)
+        )
+        wanted = []
+        for point, missing in confirmation_candidates(summary, CONFIRM_TOP, CONFIRM_REPEATS):
+            allowed = min(missing, 2 * CONFIRM_REPEATS - attempts[point.params])
+            if allowed > 0:
+                wanted.append((by_number[point.number], allowed))
+        queued = 0
+        for round_ in range(max((n for _, n in wanted), default=0)):
+            for source, allowed in wanted:
+                if round_ < allowed:
                     self.study.enqueue_trial(
-                        dict(by_number[point.number].params),
+                        dict(source.params),
                         user_attrs={CONFIRMATION_ATTR: True},
                         skip_if_exists=False,
                     )
-                    self.trial()
-        return self._trials()
+                    queued += 1
+        return queued
 
     def _trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)
@@ -314,25 +364,82 @@ def replay_all(
 
 
 def table(runs: Sequence[Run], budgets: Sequence[int]) -> list[dict[str, Any]]:
-    """Medians over seeds per variant and budget."""
+    """Per variant and budget: medians over seeds, the mean regret with its 95% interval and,
+    where the runs include `BASE_VARIANT`, the paired comparison with it (same seed, same
+    budget). ``trials_to_5pct`` is at the largest budget (see `trials_to_5pct`)."""
     rows = []
     names = list(dict.fromkeys(r.variant for r in runs))
+    base = {(r.seed, r.budget): r for r in runs if r.variant == BASE_VARIANT}
     for name in names:
         row: dict[str, Any] = {"variant": name}
         for budget in budgets:
             group = [r for r in runs if r.variant == name and r.budget == budget]
             if not group:
                 continue
+            regrets = [r.regret for r in group]
             row[f"hv_gap@{budget}"] = statistics.median(r.hv_gap for r in group)
-            row[f"regret@{budget}"] = statistics.median(r.regret for r in group)
-            row[f"regret_mean@{budget}"] = statistics.fmean(r.regret for r in group)
+            row[f"regret@{budget}"] = statistics.median(regrets)
+            row[f"regret_mean@{budget}"] = statistics.fmean(regrets)
+            row[f"regret_ci@{budget}"] = list(bootstrap_mean_ci(regrets))
             row[f"within5@{budget}"] = sum(r.regret <= 0.05 for r in group) / len(group)
             row[f"cost_s@{budget}"] = statistics.median(r.cost_s for r in group)
             row[f"claim_error@{budget}"] = statistics.median(abs(r.claim_error) for r in group)
             row[f"trials@{budget}"] = statistics.median(r.trials for r in group)
+            if name != BASE_VARIANT:
+                paired = [
+                    r.regret - base[r.seed, budget].regret
+                    for r in group
+                    if (r.seed, budget) in base
+                ]
+                if paired:
+                    row[f"vs_{BASE_VARIANT}@{budget}"] = paired_difference(paired)
         largest = [r for r in runs if r.variant == name and r.budget == max(budgets)]
-        reached = [r.first_within_5pct for r in largest if r.first_within_5pct is not None]
-        row["trials_to_5pct"] = statistics.median(reached) if reached else None
-        row["reached_5pct"] = f"{len(reached)}/{len(largest)}"
+        median, at_least = trials_to_5pct(largest)
+        row["trials_to_5pct"] = median
+        row["trials_to_5pct_above"] = at_least
+        reached = sum(r.first_within_5pct is not None for r in largest)
+        row["reached_5pct"] = f"{reached}/{len(largest)}"
         rows.append(row)
     return rows
+
+
+def trials_to_5pct(runs: Sequence[Run]) -> tuple[float | None, float | None]:
+    """The median over all ``runs`` of the trials run (search, re-measurements, and the extra
+    trials of a longer run all count) until the recommendation first had regret <= 5%, a run
+    that never got there counting as infinitely many: ``(median, None)``; or, when the median
+    is not reached, ``(None, bound)``: it is more than ``bound``, the median with each run
+    that never got there counted as the trials it had."""
+    if not runs:
+        return None, None
+    median = statistics.median(
+        math.inf if r.first_within_5pct is None else r.first_within_5pct for r in runs
+    )
+    if math.isfinite(median):
+        return median, None
+    bound = statistics.median(
+        r.trials if r.first_within_5pct is None else r.first_within_5pct for r in runs
+    )
+    return None, bound
+
+
+def bootstrap_mean_ci(values: Sequence[float]) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean (fixed seed: the report reproduces)."""
+    data = np.asarray(values, dtype=float)
+    if len(data) < 2:
+        return float(data.mean()), float(data.mean())
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    picks = rng.integers(0, len(data), size=(BOOTSTRAP_RESAMPLES, len(data)))
+    low, high = np.percentile(data[picks].mean(axis=1), [2.5, 97.5])
+    return float(low), float(high)
+
+
+def paired_difference(differences: Sequence[float]) -> dict[str, Any]:
+    """Regret differences (variant - base, seed by seed): their mean, its 95% bootstrap
+    interval, and in how many seeds the variant did better (wins: lower regret) or worse."""
+    return {
+        "mean": statistics.fmean(differences),
+        "ci": list(bootstrap_mean_ci(differences)),
+        "wins": sum(d < 0 for d in differences),
+        "losses": sum(d > 0 for d in differences),
+        "pairs": len(differences),
+    }

@@ -5,6 +5,7 @@ shared and noisy; benchmarks/RESULTS.md holds the measured figures)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -33,18 +34,44 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     assert len(rows) == 8 and all(r["throughput"] > 0 and r["val_loss"] > 0 for r in rows)
     table = json.loads((tmp_path / "ground_truth_table.json").read_text())["configs"]
     assert all(len(c["throughputs"]) == 2 and c["ceiling"] > 0 for c in table)
+    assert all(c["ceiling_wall_s"] >= 0 for c in table)
 
-    # Replay: every variant at every budget, with values that are fractions.
+    # Replay: every variant at every budget and seed (the quick run: 2 seeds, budgets 6, 10),
+    # each study saved, and the table drawn from them.
     replay = results["replay"]
-    assert {r["variant"] for r in replay} >= {"tpe (default)", "random", "random, 2x trials"}
+    runs = results["replay_runs"]
+    names = [r["variant"] for r in replay]
+    assert {"tpe (default)", "random", "random, 2x trials", "tpe, no re-measure"} <= set(names)
+    assert len(runs) == len(names) * 2 * 2
+    for run in runs:
+        factor = 2 if run["variant"] == "random, 2x trials" else 1
+        searched = run["budget"] * factor
+        if run["variant"] == "tpe, no re-measure":
+            assert run["trials"] == searched
+        else:
+            assert searched <= run["trials"] <= searched + 6 * 4  # capped re-measurements
+        assert 0.0 <= run["regret"] <= 1.0 and 0.0 <= run["hv_gap"] <= 1.0
+        assert run["cost_s"] > 0 and 0 <= run["stopped_early"] < run["trials"]
+        first = run["first_within_5pct"]
+        assert first is None or 1 <= first <= run["trials"]
+        assert (first is not None) or run["regret"] > 0.05  # ends within 5%: got there
     for row in replay:
         for budget in (6, 10):
-            assert 0.0 <= row[f"regret@{budget}"] <= 1.0
-            assert 0.0 <= row[f"hv_gap@{budget}"] <= 1.0
-            assert row[f"cost_s@{budget}"] > 0
+            mine = [r for r in runs if r["variant"] == row["variant"] and r["budget"] == budget]
+            assert row[f"regret@{budget}"] == statistics.median(r["regret"] for r in mine)
+            low, high = row[f"regret_ci@{budget}"]
+            assert low <= row[f"regret_mean@{budget}"] <= high
+            assert row[f"within5@{budget}"] == sum(r["regret"] <= 0.05 for r in mine) / 2
+            if row["variant"] != "random":
+                paired = row[f"vs_random@{budget}"]
+                assert paired["pairs"] == 2 and paired["wins"] + paired["losses"] <= 2
+        at_10 = [r for r in runs if r["variant"] == row["variant"] and r["budget"] == 10]
+        assert row["reached_5pct"] == f"{sum(r['first_within_5pct'] is not None for r in at_10)}/2"
+        assert (row["trials_to_5pct"] is None) != (row["trials_to_5pct_above"] is None)
     early = next(r for r in replay if r["variant"] == "tpe (default)")
     full = next(r for r in replay if r["variant"] == "tpe, no early stop")
     assert early["cost_s@10"] < full["cost_s@10"]  # shortened trials are cheaper
+    assert "(all trials run)" in report and "paired vs random @10" in report
 
     # Speedup: a real study, then three loaders side by side with their ceilings.
     speedup = results["speedup"]
