@@ -327,10 +327,22 @@ def _engine(study: optuna.Study) -> Any:
     return getattr(storage, "_backend", storage).engine
 
 
-def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, LoaderParams] | None:
+@dataclass(frozen=True)
+class _Wait:
+    """`_take_trial`'s answer when the budget is used but trials still run elsewhere: their
+    worker may have died (then the sweeper queues a retry), or they may turn out to be the
+    best candidates (then they are re-measured), so the study is not done yet."""
+
+    running: int
+
+
+def _take_trial(
+    session: Session, health: _Health
+) -> tuple[optuna.Trial, LoaderParams] | _Wait | None:
     """Under the study lock: sweep stale trials, check the budget (as stored now: `init`
     or `run --n-trials` elsewhere may have changed it) and the hardware binding, and take
-    the next trial with its settings. None when the budget is used up.
+    the next trial with its settings. `_Wait` while the budget is used but other trials
+    still run; None when the study is done.
 
     The trial gets its first heartbeat at once: a RUNNING trial with no heartbeat would
     never be found stale. Should anything fail between taking it and returning it, it is
@@ -352,6 +364,9 @@ def _take_trial(session: Session, health: _Health) -> tuple[optuna.Trial, Loader
                 and not _combinations_left(trials, session.space)
             )
             if exhausted:
+                running = sum(t.state == TrialState.RUNNING for t in trials)
+                if running:
+                    return _Wait(running)
                 if not queue_confirmations(session, trials, attrs):
                     return None
             else:
@@ -388,15 +403,13 @@ def queue_confirmations(
     loss tolerance, and the baseline: each runs until it has ``confirm_repeats``
     measurements. Called again whenever the queue runs dry, as a point that falls back to its
     median can let another one in; that one is re-measured too. A setting gets at most
-    ``2 * confirm_repeats`` re-measurements (some may fail), so this ends. Trials still
-    running are waited for first (they may be candidates). Settings are taken from the
-    study (``run`` and ``init`` store them), so every worker applies the same ones.
+    ``2 * confirm_repeats`` re-measurements (some may fail), so this ends. Called only when
+    no trial runs (they may be candidates). Settings are taken from the study (``run`` and
+    ``init`` store them), so every worker applies the same ones.
     """
     top, repeats = confirm_settings(attrs, session.config)
     if top == 0:
         return False
-    if any(t.state == TrialState.RUNNING for t in trials):
-        return False  # the last worker to finish queues them
     study = session.study
     tolerance = float(attrs.get(TOLERANCE_ATTR, session.config.loss_tolerance))
     summary = summarize(study, tolerance, session.hardware.hardware_class)
@@ -500,8 +513,17 @@ def work(
                 )
                 if taken is None:
                     break
-                trial, params = taken
-                recorded = _run_one(session, health, reporter, trial, params)
+                if not isinstance(taken, _Wait):
+                    trial, params = taken
+                    recorded = _run_one(session, health, reporter, trial, params)
+            if isinstance(taken, _Wait):
+                # Outside the host lock: the trials we wait for may need this host.
+                reporter.preparing(
+                    f"budget used; waiting for {taken.running} trial(s) running elsewhere"
+                    " (a dead worker's trial is retried after the grace period)"
+                )
+                interrupts.sleep(interval)
+                continue
             ran += 1
             if recorded.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR):
                 message = recorded.failure.message if recorded.failure else "failed"
