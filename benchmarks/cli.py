@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks import ground_truth, replay, speedup
 from loader_search.config import load_config
+from loader_search.recommend import TrialPoint, pareto_front
 from loader_search.system import cpu_model, usable_cpus
 
 HERE = Path(__file__).resolve().parent
@@ -68,10 +69,11 @@ def ground_truth_section(entries: list[ground_truth.Entry]) -> tuple[str, dict[s
     for e in entries:
         by_batch.setdefault(e.params.batch_size, []).append(e.val_loss)
     truth = replay.Truth.of(entries)
-    front = sorted(
-        (e for e in entries if not any(_dominates(o, e) for o in entries)),
-        key=lambda e: -e.throughput,
-    )
+    # The service's own definition of the front, over the table's medians (fastest first).
+    points = [
+        TrialPoint(i, e.params, e.throughput, e.val_loss, False) for i, e in enumerate(entries)
+    ]
+    front = [entries[p.number] for p in pareto_front(points)]
     stats = {
         "configs": len(entries),
         "repeats": statistics.median(len(e.throughputs) for e in entries),
@@ -130,14 +132,6 @@ def ground_truth_section(entries: list[ground_truth.Entry]) -> tuple[str, dict[s
         ]
     )
     return text, stats
-
-
-def _dominates(a: ground_truth.Entry, b: ground_truth.Entry) -> bool:
-    return (
-        a.throughput >= b.throughput
-        and a.val_loss <= b.val_loss
-        and (a.throughput > b.throughput or a.val_loss < b.val_loss)
-    )
 
 
 def noise_section(stats: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
 Every trial of a replayed study goes through the service's own code: its sampler
 (`loader_search.runner.make_sampler`), its search space (`ResolvedSpace.suggest`), the baseline
 first, its early stop (`loader_search.reuse.plan_trial`), its re-measurement of candidates
-(`confirmation_candidates`) and its recommendation rule (`summarize_trials`). Only the training
+(`confirmation_queue`) and its recommendation rule (`summarize_trials`). Only the training
 is replaced: a trial is answered with one of the table's real repeats of its configuration,
 drawn at random, so the replay sees the measurement noise a study sees: its throughput over the
 study's window (warm-up to the early-stop mark, as every trial is scored) and its validation
@@ -11,7 +11,7 @@ loss. A trial that stops early reports the study's known validation loss of its 
 costs what the shortened run cost. The first trial of each batch size and thread count also
 measures the ceiling, as in the service, and pays what a ceiling reading costs; later trials of
 that pair reuse it. Once the budget is used, the candidates are re-measured as the service does
-(`confirmation_candidates`, round-robin, at most ``2 * CONFIRM_REPEATS`` re-measurements per
+(`confirmation_queue`, round-robin, at most ``2 * CONFIRM_REPEATS`` re-measurements per
 setting, until nothing is missing). The study itself is a real Optuna study in memory.
 
 Quality is judged against the table's medians (the truth):
@@ -32,7 +32,6 @@ import math
 import random
 import statistics
 import warnings
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,7 +49,8 @@ from loader_search.recommend import (
     CONFIRMATION_ATTR,
     DIRECTIONS,
     PARAMS_ATTR,
-    confirmation_candidates,
+    confirmation_queue,
+    stored_params,
     summarize_trials,
 )
 from loader_search.reuse import CEILING_ATTR, VAL_LOSS_ATTR, VAL_LOSS_FROM, plan_trial
@@ -249,40 +249,17 @@ class _Replay:
         return self._trials()
 
     def queue_confirmations(self) -> int:
-        """`loader_search.worker.queue_confirmations`: what is missing of the candidates'
-        re-measurements, at most ``2 * CONFIRM_REPEATS`` per setting in all, queued
-        round-robin (A, B, baseline, A, ...). Returns how many were queued."""
-        trials = self._trials()
-        summary = summarize_trials("replay", trials, LOSS_TOLERANCE)
-        by_number = {t.number: t for t in trials}
-        attempts = Counter(
-            _table_params(t)
-            for t in trials
-            if t.user_attrs.get(CONFIRMATION_ATTR) and t.user_attrs.get(PARAMS_ATTR)
-        )
-        wanted = []
-        for point, missing in confirmation_candidates(summary, CONFIRM_TOP, CONFIRM_REPEATS):
-            allowed = min(missing, 2 * CONFIRM_REPEATS - attempts[point.params])
-            if allowed > 0:
-                wanted.append((by_number[point.number], allowed))
-        queued = 0
-        for round_ in range(max((n for _, n in wanted), default=0)):
-            for source, allowed in wanted:
-                if round_ < allowed:
-                    self.study.enqueue_trial(
-                        dict(source.params),
-                        user_attrs={CONFIRMATION_ATTR: True},
-                        skip_if_exists=False,
-                    )
-                    queued += 1
-        return queued
+        """Queue what `loader_search.recommend.confirmation_queue` says, as the worker does
+        (`loader_search.worker.queue_confirmations`). Returns how many were queued."""
+        queue = confirmation_queue(self._trials(), LOSS_TOLERANCE, CONFIRM_TOP, CONFIRM_REPEATS)
+        for params in queue:
+            self.study.enqueue_trial(
+                params, user_attrs={CONFIRMATION_ATTR: True}, skip_if_exists=False
+            )
+        return len(queue)
 
     def _trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)
-
-
-def _table_params(trial: FrozenTrial) -> LoaderParams:
-    return LoaderParams.from_dict(trial.user_attrs[PARAMS_ATTR])
 
 
 def replay_one(
@@ -314,7 +291,7 @@ def replay_one(
         seed=seed,
         budget=budget,
         regret=truth.regret(summary.recommended.point.params),
-        hv_gap=truth.hv_gap([_table_params(t) for t in trials]),
+        hv_gap=truth.hv_gap([p for p in map(stored_params, trials) if p is not None]),
         cost_s=replay.cost,
         trials=len(trials),
         stopped_early=sum(VAL_LOSS_FROM in t.user_attrs for t in trials),

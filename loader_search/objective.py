@@ -23,8 +23,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.isolation import HOST_OOM, INTERRUPTED, TrialFailure, TrialOutcome
 from loader_search.params import LoaderParams
-from loader_search.recommend import HARDWARE_CLASS_ATTR, PARAMS_ATTR
-from loader_search.reuse import CEILING_FROM, LOADER_EFFICIENCY, VAL_LOSS_FROM, Reuse
+from loader_search.recommend import (
+    HARDWARE_CLASS_ATTR,
+    LOADER_EFFICIENCY_ATTR,
+    stored_params,
+)
+from loader_search.reuse import CEILING_FROM, VAL_LOSS_FROM, Reuse
 from loader_search.storage import retrying
 
 FAILURE_REASON = "failure_reason"
@@ -47,6 +51,8 @@ class Recorded:
     infeasible: bool
     values: tuple[float, float] | None
     failure: TrialFailure | None
+    val_loss_from: tuple[int, ...] = ()  # stopped early: whose val_loss it reports
+    loader_efficiency: float | None = None
 
 
 def _footprint(params: LoaderParams) -> tuple[int, int]:
@@ -69,10 +75,10 @@ def known_failure(
             continue
         if trial.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
             continue
-        stored = trial.user_attrs.get(PARAMS_ATTR)
-        if not stored:
+        other = stored_params(trial)
+        if other is None:
             continue
-        other_batch, other_in_flight = _footprint(LoaderParams.from_dict(stored))
+        other_batch, other_in_flight = _footprint(other)
         if batch >= other_batch and in_flight >= other_in_flight:
             source = int(trial.user_attrs.get(INFERRED_FROM, trial.number))
             failure = TrialFailure(
@@ -137,6 +143,8 @@ def _record(
     failure = outcome.failure
     result = outcome.result
     val_loss = None
+    val_loss_from: tuple[int, ...] = ()
+    efficiency = None
     if result is not None:
         for key, value in result.user_attrs().items():
             write(key, value)
@@ -144,14 +152,15 @@ def _record(
         if val_loss is None:  # stopped early: the validation loss known for its batch size
             if reuse is None or reuse.val_loss is None:
                 raise ValueError(f"trial #{trial.number} stopped early with no val_loss to reuse")
-            val_loss = reuse.val_loss
-            write(VAL_LOSS_FROM, list(reuse.val_loss_from))
+            val_loss, val_loss_from = reuse.val_loss, reuse.val_loss_from
+            write(VAL_LOSS_FROM, list(val_loss_from))
         ceiling = result.ceiling_samples_per_s
         if ceiling is None and reuse is not None and reuse.ceiling is not None:
             ceiling = reuse.ceiling
             write(CEILING_FROM, list(reuse.ceiling_from))
         if ceiling:
-            write(LOADER_EFFICIENCY, result.throughput_samples_per_s / ceiling)
+            efficiency = result.throughput_samples_per_s / ceiling
+            write(LOADER_EFFICIENCY_ATTR, efficiency)
     write("trial_wall_time_s", outcome.wall_s)
     if outcome.isolated and outcome.wall_s > 0:
         write("isolation_overhead_s", outcome.overhead_s)  # fork, result transfer, teardown
@@ -171,7 +180,9 @@ def _record(
         else:
             values = INFEASIBLE_VALUES
         tell(study, trial, TrialState.COMPLETE, values, retry_s, on_retry)
-        return Recorded(TrialState.COMPLETE, infeasible, values, failure)
+        return Recorded(
+            TrialState.COMPLETE, infeasible, values, failure, val_loss_from, efficiency
+        )
     tell(study, trial, TrialState.FAIL, None, retry_s, on_retry)
     return Recorded(TrialState.FAIL, False, None, failure)
 

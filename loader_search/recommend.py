@@ -17,6 +17,7 @@ point dominating it would be faster and also within the tolerance.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from statistics import median
 from typing import Any, Literal
@@ -227,6 +228,43 @@ def confirmation_candidates(
         chosen.append(summary.baseline)
     wanted = [(point, repeats - max(1, len(point.numbers))) for point in chosen]
     return [(point, missing) for point, missing in wanted if missing > 0]
+
+
+def confirmation_queue(
+    trials: list[FrozenTrial],
+    loss_tolerance: float,
+    top: int,
+    repeats: int,
+    hardware_class: str | None = None,
+) -> list[dict[str, Any]]:
+    """The re-measurements to queue now, as the trial parameters to enqueue, in order.
+
+    What `confirmation_candidates` finds missing, at most ``2 * repeats`` re-measurements
+    per setting in all (failed ones count, so that asking again ends), round-robin (A, B,
+    baseline, A, B, ...): a change of load on the machine then hits every candidate alike,
+    and a timeout leaves them evenly measured. The worker and the benchmarks' replay both
+    queue what this returns.
+    """
+    summary = summarize_trials("", trials, loss_tolerance, hardware_class)
+    by_number = {t.number: t for t in trials}
+    attempts = Counter(stored_params(t) for t in trials if t.user_attrs.get(CONFIRMATION_ATTR))
+    wanted = []
+    for point, missing in confirmation_candidates(summary, top, repeats):
+        allowed = min(missing, 2 * repeats - attempts[point.params])
+        if allowed > 0:
+            wanted.append((by_number[point.number], allowed))
+    return [
+        dict(source.params)
+        for round_ in range(max((n for _, n in wanted), default=0))
+        for source, allowed in wanted
+        if round_ < allowed
+    ]
+
+
+def stored_params(trial: FrozenTrial) -> LoaderParams | None:
+    """The effective settings a trial stored (``loader_params``), or None before it did."""
+    stored = trial.user_attrs.get(PARAMS_ATTR)
+    return LoaderParams.from_dict(stored) if stored else None
 
 
 def _median_or_none(values: list[float | None]) -> float | None:

@@ -28,12 +28,7 @@ from dataclasses import dataclass
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
-from loader_search.recommend import (
-    HARDWARE_CLASS_ATTR,
-    LOADER_EFFICIENCY_ATTR,
-    PARAMS_ATTR,
-    is_feasible,
-)
+from loader_search.recommend import HARDWARE_CLASS_ATTR, is_feasible, stored_params
 from loader_search.trial import short_run_samples
 
 # Trial user attributes (the measurements themselves are `TrialResult` fields).
@@ -41,7 +36,6 @@ VAL_LOSS_ATTR = "val_loss"  # only evaluated trials store it
 VAL_LOSS_FROM = "val_loss_from"  # trial numbers whose median val_loss this trial reports
 CEILING_ATTR = "ceiling_samples_per_s"
 CEILING_FROM = "ceiling_from"
-LOADER_EFFICIENCY = LOADER_EFFICIENCY_ATTR  # throughput / ceiling
 
 
 @dataclass(frozen=True)
@@ -65,25 +59,20 @@ def plan_trial(
     reuse_val_loss: bool = True,
 ) -> Reuse:
     """Decide how ``params``'s trial runs, given the study's finished ``trials``."""
-    same_machine = [
-        t
-        for t in trials
-        if t.state == TrialState.COMPLETE
-        and is_feasible(t)
-        and t.user_attrs.get(HARDWARE_CLASS_ATTR) == hardware_class
-        and t.user_attrs.get(PARAMS_ATTR)
-    ]
-    evaluated = [
-        t
-        for t in same_machine
-        if VAL_LOSS_ATTR in t.user_attrs and _params(t).batch_size == params.batch_size
-    ]
+    same_batch = []  # completed feasible trials of this batch size on this hardware class
+    for t in trials:
+        if t.state != TrialState.COMPLETE or not is_feasible(t):
+            continue
+        if t.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
+            continue
+        other = stored_params(t)
+        if other is not None and other.batch_size == params.batch_size:
+            same_batch.append((t, other))
+    evaluated = [t for t, _ in same_batch if VAL_LOSS_ATTR in t.user_attrs]
     with_ceiling = [
         t
-        for t in same_machine
-        if CEILING_ATTR in t.user_attrs
-        and _params(t).batch_size == params.batch_size
-        and _params(t).torch_threads == params.torch_threads
+        for t, other in same_batch
+        if CEILING_ATTR in t.user_attrs and other.torch_threads == params.torch_threads
     ]
     short = short_run_samples(params, settings, train_size)
     val_loss = None
@@ -103,7 +92,3 @@ def plan_trial(
         ceiling=ceiling,
         ceiling_from=tuple(t.number for t in with_ceiling),
     )
-
-
-def _params(trial: FrozenTrial) -> LoaderParams:
-    return LoaderParams.from_dict(trial.user_attrs[PARAMS_ATTR])

@@ -25,7 +25,6 @@ import math
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,11 +56,10 @@ from loader_search.recommend import (
     HARDWARE_CLASS_ATTR,
     PARAMS_ATTR,
     TOLERANCE_ATTR,
-    confirmation_candidates,
+    confirmation_queue,
     is_feasible,
-    summarize,
 )
-from loader_search.reuse import LOADER_EFFICIENCY, VAL_LOSS_FROM, plan_trial
+from loader_search.reuse import plan_trial
 from loader_search.space import ResolvedSpace
 from loader_search.storage import retrying
 from loader_search.workloads import Workload
@@ -410,27 +408,15 @@ def queue_confirmations(
     top, repeats = confirm_settings(attrs, session.config)
     if top == 0:
         return False
-    study = session.study
     tolerance = float(attrs.get(TOLERANCE_ATTR, session.config.loss_tolerance))
-    summary = summarize(study, tolerance, session.hardware.hardware_class)
-    by_number = {t.number: t for t in trials}
-    attempts = Counter(_loader_params(t) for t in trials if t.user_attrs.get(CONFIRMATION_ATTR))
-    wanted = []
-    for point, missing in confirmation_candidates(summary, top, repeats):
-        allowed = min(missing, 2 * repeats - attempts[point.params])
-        if allowed > 0:
-            wanted.append((by_number[point.number], allowed))
-    # Round-robin (A, B, baseline, A, B, ...): a change of load on the machine then hits
-    # every candidate alike, and a timeout leaves them evenly measured.
-    for round_ in range(max((n for _, n in wanted), default=0)):
-        for source, allowed in wanted:
-            if round_ < allowed:
-                study.enqueue_trial(
-                    dict(source.params),
-                    user_attrs={CONFIRMATION_ATTR: True},
-                    skip_if_exists=False,
-                )
-    return bool(wanted)
+    queue = confirmation_queue(
+        list(trials), tolerance, top, repeats, session.hardware.hardware_class
+    )
+    for params in queue:
+        session.study.enqueue_trial(
+            params, user_attrs={CONFIRMATION_ATTR: True}, skip_if_exists=False
+        )
+    return bool(queue)
 
 
 def confirm_settings(attrs: Mapping[str, Any], config: StudyConfig) -> tuple[int, int]:
@@ -440,11 +426,6 @@ def confirm_settings(attrs: Mapping[str, Any], config: StudyConfig) -> tuple[int
         int(stored.get("top", config.confirm_top)),
         int(stored.get("repeats", config.confirm_repeats)),
     )
-
-
-def _loader_params(trial: FrozenTrial) -> LoaderParams | None:
-    stored = trial.user_attrs.get(PARAMS_ATTR)
-    return LoaderParams.from_dict(stored) if stored else None
 
 
 def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserError:
@@ -632,7 +613,6 @@ def _event(
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         if is_feasible(t)
     ]
-    stored = study._storage.get_trial(trial._trial_id).user_attrs
     failure = recorded.failure
     state = "failed" if recorded.state == TrialState.FAIL else "complete"
     if recorded.infeasible:
@@ -653,6 +633,6 @@ def _event(
         best_throughput=max((t.values[0] for t in feasible), default=None),
         best_val_loss=min((t.values[1] for t in feasible), default=None),
         confirmation=bool(trial.user_attrs.get(CONFIRMATION_ATTR)),
-        val_loss_from=tuple(stored.get(VAL_LOSS_FROM, ())),
-        loader_efficiency=stored.get(LOADER_EFFICIENCY),
+        val_loss_from=recorded.val_loss_from,
+        loader_efficiency=recorded.loader_efficiency,
     )

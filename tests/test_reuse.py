@@ -16,6 +16,7 @@ from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.recommend import (
     BASELINE_ATTR,
     CONFIRMATION_ATTR,
+    LOADER_EFFICIENCY_ATTR,
     PARAMS_ATTR,
     TrialPoint,
     confirmation_candidates,
@@ -25,7 +26,6 @@ from loader_search.recommend import (
 from loader_search.reuse import (
     CEILING_ATTR,
     CEILING_FROM,
-    LOADER_EFFICIENCY,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
@@ -88,7 +88,7 @@ def test_later_trials_of_a_batch_size_stop_early_with_its_known_val_loss(
     assert early >= 1
     # Every trial reports its loader efficiency; the ceiling is measured once per batch
     # size and thread count (threads are fixed here), then reused.
-    assert all(t.user_attrs[LOADER_EFFICIENCY] > 0 for t in trials)
+    assert all(t.user_attrs[LOADER_EFFICIENCY_ATTR] > 0 for t in trials)
     measured = [t for t in trials if CEILING_ATTR in t.user_attrs]
     assert sorted(_params(t).batch_size for t in measured) == sorted(by_batch)
     for trial in trials:
