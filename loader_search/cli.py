@@ -299,6 +299,18 @@ def worker(
     cpus: CpusOption = None,
     gpu: GpuOption = None,
     allow_mixed_hardware: MixedOption = False,
+    allow_plugin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-plugin",
+            help=(
+                "Run this plug-in workload ('pkg.mod:factory' or 'path/file.py:factory') if"
+                " the study names it; repeat for more. Without it a worker runs only built-in"
+                " workloads (also: LOADER_SEARCH_ALLOW_PLUGINS, comma-separated)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Join a study created by `run` (on this or another machine) and run its trials.
 
@@ -306,6 +318,9 @@ def worker(
     you like, on as many machines; together they run exactly the budget. A trial whose
     worker dies is failed after the study's grace period and retried with the same settings.
     Ctrl-C (or SIGTERM) ends the running trial as interrupted and exits.
+
+    Whoever can write to the database chooses the study's workload, so a worker runs a
+    plug-in (code) only if this machine allows it with --allow-plugin.
     """
     from loader_search.runner import run_worker
 
@@ -321,6 +336,7 @@ def worker(
                 cpus=_parse_cpus(cpus),
                 gpu=gpu,
                 allow_mixed_hardware=allow_mixed_hardware,
+                allow_plugins=tuple(allow_plugin or ()),
             )
     finally:
         reporter.close()

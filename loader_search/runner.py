@@ -53,7 +53,7 @@ from loader_search.worker import (
     hardware_mismatch,
     work,
 )
-from loader_search.workloads import Workload, load_workload
+from loader_search.workloads import Workload, check_allowed, load_workload
 
 if TYPE_CHECKING:
     import torch
@@ -372,6 +372,11 @@ def _create_or_continue(
             )
     if created or study.user_attrs.get(FINGERPRINT_ATTR) != fingerprint:
         # New, made by plain Optuna, or nothing measured yet under the old settings.
+        if not created and study.user_attrs.get(FINGERPRINT_ATTR) is not None:
+            notes.append(
+                f"replaced study {name!r}'s stored config (no trial had completed under it);"
+                " workers that join from now on use this one"
+            )
         study.set_user_attr(FINGERPRINT_ATTR, fingerprint)
         study.set_user_attr(CONFIG_ATTR, dict(config.document))
         study.set_user_attr("workload_description", workload.description)
@@ -435,6 +440,7 @@ def run_worker(
     cpus: Sequence[int] | None = None,
     gpu: int | None = None,
     allow_mixed_hardware: bool = False,
+    allow_plugins: Sequence[str] = (),
 ) -> StudySummary:
     """Join an existing study and run its trials until its budget (shared by every worker)
     is used, ``n_trials`` ran here, or ``timeout_s`` passed.
@@ -445,6 +451,11 @@ def run_worker(
     machine); ``cpus`` and ``gpu`` pin this worker's trials so that workers with disjoint
     sets can train side by side. A worker on hardware of another class than the study's
     first trial is refused unless ``allow_mixed_hardware``.
+
+    The database is a team resource, and this machine may not trust everyone who can write
+    to it: a workload taken from the study must be a built-in one or a plug-in this machine
+    allows (``allow_plugins``, or ``$LOADER_SEARCH_ALLOW_PLUGINS``), checked before anything
+    is imported. A ``config`` or ``workload`` passed here is this caller's own and trusted.
     """
     if n_trials is not None and n_trials < 1:
         raise UserError(f"--n-trials {n_trials}: must be at least 1")
@@ -457,7 +468,10 @@ def run_worker(
         reporter.preparing(f"opening storage {shown}")
         plain = open_storage(url, must_exist=True)
         study = load_existing_study(plain, study_name, shown)
-        config = config or stored_config(study)
+        if config is None:
+            config = stored_config(study)
+            if workload is None:
+                check_allowed(config.workload, allow_plugins)
         plain.engine.dispose()  # opened again below, with the study's heartbeat settings
         device, hardware = _this_machine(config, cpus, gpu)
         ncpus = hardware.usable_cpus

@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,10 @@ from loader_search.errors import UserError
 from loader_search.workloads._base import Workload, sgd_momentum
 
 __all__ = [
+    "ALLOW_PLUGINS_ENV",
     "BUILTIN_WORKLOADS",
     "Workload",
+    "check_allowed",
     "check_workload",
     "load_workload",
     "resolve_factory",
@@ -33,6 +36,42 @@ _FORMS = (
     f"use one of {', '.join(BUILTIN_WORKLOADS)}, 'package.module:factory'"
     " or 'path/to/file.py:factory'"
 )
+
+
+ALLOW_PLUGINS_ENV = "LOADER_SEARCH_ALLOW_PLUGINS"
+
+
+def _plugin_key(spec: str) -> str:
+    """``spec`` in the form two names of one plug-in share: a file plug-in by its real path
+    (``./my.py:f`` and ``/abs/my.py:f`` are one), a module plug-in as written."""
+    module_part, sep, attr = spec.strip().rpartition(":")
+    if sep and (module_part.endswith(".py") or "/" in module_part or "\\" in module_part):
+        return f"{os.path.realpath(module_part)}:{attr}"
+    return spec.strip()
+
+
+def check_allowed(spec: str, allowed: Iterable[str] = ()) -> None:
+    """Refuse, before anything is imported, a workload that this machine's operator did not
+    allow: a built-in, or a plug-in named in ``allowed`` (``worker --allow-plugin``) or in
+    ``$LOADER_SEARCH_ALLOW_PLUGINS`` (comma-separated).
+
+    A worker takes the workload spec from the study, and the study lives in a database that
+    everyone on the team can write. Without this check, whoever can write a study's stored
+    config chooses the code every joining worker runs (``{"name": "os:system", ...}``).
+    """
+    if spec in BUILTIN_WORKLOADS:
+        return
+    from_env = os.environ.get(ALLOW_PLUGINS_ENV, "").split(",")
+    keys = {_plugin_key(entry) for entry in [*allowed, *from_env] if entry.strip()}
+    if _plugin_key(spec) in keys:
+        return
+    shown = spec if len(spec) <= 200 else spec[:200] + "..."
+    raise UserError(
+        f"the study's workload {shown!r} is a plug-in this machine has not allowed: a worker"
+        f" runs built-in workloads ({', '.join(BUILTIN_WORKLOADS)}) and only the plug-ins its"
+        f" operator allows; if you trust this code, pass --allow-plugin {shown!r} (or add it"
+        f" to {ALLOW_PLUGINS_ENV})"
+    )
 
 
 def resolve_factory(spec: str) -> WorkloadFactory:
