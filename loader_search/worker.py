@@ -486,7 +486,10 @@ def work(
             with host_lock(
                 session.cpus,
                 session.gpu,
-                on_wait=lambda: reporter.preparing("waiting for the trial training on this host"),
+                on_wait=lambda holder: reporter.preparing(
+                    f"waiting for the host lock held by {holder}"
+                ),
+                study=session.study.study_name,
             ):
                 taken = retrying(
                     lambda: _take_trial(session, health),

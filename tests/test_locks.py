@@ -3,8 +3,15 @@ time counts the budget), on real lock files and real database servers."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import re
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +20,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 
-from loader_search.locks import StudyLockTimeout, host_lock, study_lock
-from tests.conftest import MARIADB_URL, POSTGRES_URL, scratch_database
+from loader_search import locks
+from loader_search.errors import UserError
+from loader_search.locks import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
+from tests.conftest import MARIADB_URL, POSTGRES_URL, ROOT, scratch_database
 
 
 def _waits(directory: Path, held: dict[str, object], wanted: dict[str, object]) -> bool:
@@ -30,11 +39,11 @@ def _waits(directory: Path, held: dict[str, object], wanted: dict[str, object]) 
     thread = threading.Thread(target=holder)
     thread.start()
     assert taken.wait(10)
-    waited: list[bool] = []
+    waited: list[str] = []
     try:
         # on_wait runs only when the lock is busy; then release the holder so we get it.
-        def on_wait() -> None:
-            waited.append(True)
+        def on_wait(holder: str) -> None:
+            waited.append(holder)
             release.set()
 
         with host_lock(directory=directory, on_wait=on_wait, **wanted):  # type: ignore[arg-type]
@@ -42,6 +51,8 @@ def _waits(directory: Path, held: dict[str, object], wanted: dict[str, object]) 
     finally:
         release.set()
         thread.join()
+    for description in waited:  # the holder is a thread of this very process
+        assert description.startswith(f"pid {os.getpid()} ("), description
     return bool(waited)
 
 
@@ -67,6 +78,332 @@ def test_lock_files_are_usable_by_every_user(tmp_path: Path) -> None:
     for name in ("host.lock", "cpu-3.lock"):
         mode = stat.S_IMODE((tmp_path / name).stat().st_mode)
         assert mode == 0o666, oct(mode)
+
+
+# --- Another user of the machine: the lock folder is shared, like /tmp -------------------------
+# These run as root and act as a second, real user (nobody) through setpriv, as an attacker on a
+# shared machine would: plant links, FIFOs and folders, or hold the lock forever.
+
+NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
+needs_a_second_user = pytest.mark.skipif(
+    os.geteuid() != 0 or SETPRIV is None,
+    reason="needs root and setpriv(1), to act as a second user (nobody) on lock files",
+)
+
+
+def _as_nobody(*command: str) -> None:
+    assert SETPRIV is not None
+    subprocess.run(
+        [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command],
+        check=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A folder under /tmp that nobody can reach (tmp_path's parents are 0o700), root's and
+    not writable by others."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="loader-search-test-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def sticky(shared_tmp: Path) -> Path:
+    """A good lock folder, like /tmp: root's, world-writable and sticky."""
+    folder = shared_tmp / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    return folder
+
+
+@pytest.fixture
+def victim(shared_tmp: Path) -> Path:
+    """A private file of root's that a planted link may point at."""
+    path = shared_tmp / "victim"
+    path.write_text("secret")
+    path.chmod(0o600)
+    return path
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@needs_a_second_user
+@pytest.mark.parametrize(("name", "cpus"), [("host.lock", None), ("cpu-0.lock", [0])])
+def test_a_planted_symlink_is_refused_and_its_target_left_alone(
+    sticky: Path, victim: Path, name: str, cpus: list[int] | None
+) -> None:
+    _as_nobody("ln", "-s", str(victim), str(sticky / name))
+    message = rf"the lock file {re.escape(str(sticky / name))} is a symlink.*; remove it"
+    with pytest.raises(UserError, match=message), host_lock(cpus, directory=sticky):
+        pass
+    assert _mode(victim) == 0o600  # not made world-writable
+    assert victim.read_text() == "secret"
+
+
+@needs_a_second_user
+def test_a_planted_dangling_symlink_does_not_create_its_target(
+    sticky: Path, shared_tmp: Path
+) -> None:
+    target = shared_tmp / "absent"  # O_CREAT through the link would create it, as root
+    _as_nobody("ln", "-s", str(target), str(sticky / "gpu-0.lock"))
+    with (
+        pytest.raises(UserError, match=r"gpu-0\.lock is a symlink"),
+        host_lock(directory=sticky, gpu=0),
+    ):
+        pass
+    assert not target.exists()
+
+
+@needs_a_second_user
+def test_a_planted_hard_link_is_used_read_only_and_its_file_left_alone(sticky: Path) -> None:
+    theirs = sticky / "theirs"
+    _as_nobody("sh", "-c", f"umask 077 && echo data > {theirs} && ln {theirs} {sticky}/host.lock")
+    with host_lock(directory=sticky):
+        pass
+    assert _mode(theirs) == 0o600
+    assert theirs.read_text() == "data\n"
+    assert theirs.stat().st_uid == NOBODY
+
+
+@needs_a_second_user
+def test_a_planted_fifo_is_refused_at_once(sticky: Path) -> None:
+    _as_nobody("mkfifo", "-m", "666", str(sticky / "host.lock"))
+    outcome: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            with host_lock(directory=sticky):
+                pass
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=take, daemon=True)  # would hang in open() on the FIFO
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "opening a planted FIFO hung"
+    assert isinstance(outcome[0], UserError), outcome
+    assert str(outcome[0]) == (
+        f"the lock file {sticky / 'host.lock'} is a FIFO, not a regular file; remove it"
+    )
+
+
+@needs_a_second_user
+def test_another_users_lock_file_in_a_sticky_folder_is_used_as_it_is(sticky: Path) -> None:
+    """The host lock is shared by every user on purpose; only its mode is its owner's."""
+    _as_nobody("sh", "-c", f"umask 022 && : > {sticky}/host.lock")
+    assert _mode(sticky / "host.lock") == 0o644
+    with host_lock(directory=sticky):
+        pass
+    assert _mode(sticky / "host.lock") == 0o644  # not chmod-ed to 0o666 by root
+    assert (sticky / "host.lock").stat().st_uid == NOBODY
+
+
+@needs_a_second_user
+@pytest.mark.parametrize("mode", ["777", "755", "1777"])
+def test_a_lock_folder_owned_by_another_user_is_refused(sticky: Path, mode: str) -> None:
+    folder = sticky / "theirs"
+    _as_nobody("mkdir", "-m", mode, str(folder))
+    message = (
+        f"the lock folder {folder} is owned by uid {NOBODY} (nobody), who could swap its lock"
+        f" files for links to your files; remove it, or set {LOCK_DIR_ENV} to a folder you own"
+    )
+    with pytest.raises(UserError) as raised, host_lock(directory=folder):
+        pass
+    assert str(raised.value) == message
+    assert os.listdir(folder) == []  # root wrote nothing there
+    assert _mode(folder) == int(mode, 8)  # nor chmod-ed it
+
+
+@needs_a_second_user
+@pytest.mark.parametrize(("mode", "who"), [("777", "others"), ("775", "its group")])
+def test_a_lock_folder_writable_without_the_sticky_bit_is_refused(
+    shared_tmp: Path, mode: str, who: str
+) -> None:
+    folder = shared_tmp / "open"
+    folder.mkdir()
+    folder.chmod(int(mode, 8))
+    message = (
+        rf"{re.escape(str(folder))} is writable by {who} without the sticky bit \(mode {mode}\)"
+    )
+    with pytest.raises(UserError, match=message), host_lock(directory=folder):
+        pass
+    assert os.listdir(folder) == []
+
+
+@needs_a_second_user
+def test_a_symlinked_lock_folder_is_refused(sticky: Path, shared_tmp: Path) -> None:
+    target = shared_tmp / "target"
+    target.mkdir()
+    target.chmod(0o1777)  # a good folder, but the link to it could be swapped at any time
+    _as_nobody("ln", "-s", str(target), str(sticky / "link"))
+    message = f"the lock folder {sticky / 'link'} is a symlink; remove it, or set {LOCK_DIR_ENV}"
+    with pytest.raises(UserError, match=re.escape(message)), host_lock(directory=sticky / "link"):
+        pass
+    assert os.listdir(target) == []
+
+
+def test_a_missing_lock_folder_is_made_sticky_and_world_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "new" / "locks"
+    monkeypatch.setenv(LOCK_DIR_ENV, str(folder))
+    with host_lock():
+        pass
+    assert _mode(folder) == 0o1777
+    assert _mode(folder / "host.lock") == 0o666
+
+
+@needs_a_second_user
+def test_a_process_refuses_a_configured_lock_folder_another_user_owns(sticky: Path) -> None:
+    folder = sticky / "theirs"
+    _as_nobody("mkdir", "-m", "1777", str(folder))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from loader_search.locks import host_lock\nwith host_lock(): pass",
+        ],
+        env={**os.environ, LOCK_DIR_ENV: str(folder)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert (
+        f"UserError: the lock folder {folder} is owned by uid {NOBODY} (nobody)" in result.stderr
+    )
+    assert os.listdir(folder) == []
+
+
+@needs_a_second_user
+def test_the_sqlite_study_lock_never_follows_a_planted_symlink(sticky: Path, victim: Path) -> None:
+    _as_nobody("ln", "-s", str(victim), f"{sticky}/study.db.loader-search.lock")
+    engine = sqlalchemy.create_engine(f"sqlite:///{sticky / 'study.db'}")
+    with (
+        pytest.raises(UserError, match=r"study\.db\.loader-search\.lock is a symlink"),
+        study_lock(engine, 1),
+    ):
+        pass
+    assert _mode(victim) == 0o600
+
+
+# A holder that prints its pid, takes the host lock when told to, and holds it until its stdin
+# closes.
+_HOLDER = """
+import os, sys
+from pathlib import Path
+from loader_search.locks import host_lock
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+with host_lock(directory=Path(sys.argv[1]), study=sys.argv[2]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _start_holder(
+    folder: Path, study: str, *, as_nobody: bool
+) -> tuple[subprocess.Popen[str], int]:
+    assert SETPRIV is not None
+    user = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    holder = subprocess.Popen(
+        [*(user if as_nobody else []), sys.executable, "-c", _HOLDER, str(folder), study],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    return holder, int(holder.stdout.readline())
+
+
+def _wait_behind(holder: subprocess.Popen[str], folder: Path) -> list[str]:
+    """Let ``holder`` take the lock, then wait for it; returns what ``on_wait`` was told."""
+    assert holder.stdin is not None and holder.stdout is not None
+    stdin = holder.stdin
+    stdin.write("go\n")
+    stdin.flush()
+    assert holder.stdout.readline() == "held\n"
+    told: list[str] = []
+
+    def on_wait(description: str) -> None:
+        told.append(description)
+        stdin.close()  # now let it go
+
+    try:
+        with host_lock(directory=folder, on_wait=on_wait):
+            pass
+    finally:
+        if not stdin.closed:  # the wait failed before on_wait: do not leave it holding
+            holder.kill()
+            stdin.close()
+        holder.wait(30)
+    return told
+
+
+@needs_a_second_user
+def test_a_waiter_is_told_who_holds_the_lock(sticky: Path) -> None:
+    holder, pid = _start_holder(sticky, "held-study", as_nobody=True)
+    told = _wait_behind(holder, sticky)
+    assert len(told) == 1
+    assert re.fullmatch(
+        rf"pid {pid} \(user nobody, study held-study, since \d\d:\d\d:\d\d, \d+ s ago\)", told[0]
+    ), told
+    assert holder.returncode == 0
+    assert not (sticky / f"holder-{pid}.json").exists()  # its note went with the lock
+
+
+@needs_a_second_user
+def test_a_note_written_by_another_user_is_not_trusted(sticky: Path) -> None:
+    holder, pid = _start_holder(sticky, "real-study", as_nobody=False)
+    spoof = {"pid": pid, "user": "root", "study": "spoofed", "since": time.time()}
+    # nobody writes the note root's holder would write, before it can.
+    _as_nobody(
+        sys.executable,
+        "-c",
+        "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+        str(sticky / f"holder-{pid}.json"),
+        json.dumps(spoof),
+    )
+    told = _wait_behind(holder, sticky)
+    assert len(told) == 1
+    assert "spoofed" not in told[0]
+    # Named from the kernel instead: its user, command and start.
+    assert re.fullmatch(
+        rf"pid {pid} \(user root, python[\w.]*, started \d\d:\d\d:\d\d, \d+ s ago\)", told[0]
+    ), told
+    assert (sticky / f"holder-{pid}.json").stat().st_uid == NOBODY  # not root's to remove
+
+
+def test_a_long_wait_names_the_holder_again_and_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(locks, "_WAIT_REPORT_S", 0.2)
+    taken = threading.Event()
+
+    def holder() -> None:
+        with host_lock(directory=tmp_path, study="long"):
+            taken.set()
+            time.sleep(1.5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert taken.wait(10)
+    told: list[str] = []
+    with host_lock(directory=tmp_path, on_wait=told.append):
+        pass
+    thread.join()
+    assert len(told) >= 4, told  # at the start, then every 0.2 s of the 1.5 s
+    assert all(t.startswith(f"pid {os.getpid()} (user root, study long, since ") for t in told)
 
 
 def _sleep(seconds: float) -> None:
