@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ground_truth, replay, speedup
-from loader_search.config import load_config
-from loader_search.recommend import TrialPoint, pareto_front
-from loader_search.system import cpu_model, usable_cpus
+from loader_search.study._config import load_config
+from loader_search.study._recommend import TrialPoint, pareto_front
+from loader_search.trial._system import cpu_model, usable_cpus
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"

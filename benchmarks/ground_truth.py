@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loader_search.config import StudyConfig, load_config
-from loader_search.isolation import run_isolated
-from loader_search.locks import host_lock
 from loader_search.params import LoaderParams, RunPlan
-from loader_search.space import IntRange
-from loader_search.trial import short_run_samples
+from loader_search.study._config import StudyConfig, load_config
+from loader_search.study._space import IntRange
+from loader_search.team._locks import host_lock
+from loader_search.trial._run import short_run_samples
+from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads import Workload, load_workload
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "studies" / "quickstart.toml"

@@ -1,18 +1,19 @@
 """Search quality: studies replayed against the ground-truth table.
 
 Every trial of a replayed study goes through the service's own code: its sampler
-(`loader_search.runner.make_sampler`), its search space (`ResolvedSpace.suggest`), the baseline
-first, its early stop (`loader_search.reuse.plan_trial`), its re-measurement of candidates
-(`confirmation_queue`) and its recommendation rule (`summarize_trials`). Only the training
-is replaced: a trial is answered with one of the table's real repeats of its configuration,
-drawn at random, so the replay sees the measurement noise a study sees: its throughput over the
-study's window (warm-up to the early-stop mark, as every trial is scored) and its validation
-loss. A trial that stops early reports the study's known validation loss of its batch size and
-costs what the shortened run cost. The first trial of each batch size and thread count also
-measures the ceiling, as in the service, and pays what a ceiling reading costs; later trials of
-that pair reuse it. Once the budget is used, the candidates are re-measured as the service does
-(`confirmation_queue`, round-robin, at most ``2 * CONFIRM_REPEATS`` re-measurements per
-setting, until nothing is missing). The study itself is a real Optuna study in memory.
+(`loader_search.study._session.make_sampler`), its search space (`ResolvedSpace.suggest`), the
+baseline first, its early stop (`loader_search.study._plan.plan_trial`), its re-measurement of
+candidates (`confirmation_queue`) and its recommendation rule (`summarize_trials`). Only the
+training is replaced: a trial is answered with one of the table's real repeats of its
+configuration, drawn at random, so the replay sees the measurement noise a study sees: its
+throughput over the study's window (warm-up to the early-stop mark, as every trial is scored)
+and its validation loss. A trial that stops early reports the study's known validation loss of
+its batch size and costs what the shortened run cost. The first trial of each batch size and
+thread count also measures the ceiling, as in the service, and pays what a ceiling reading
+costs; later trials of that pair reuse it. Once the budget is used, the candidates are re-
+measured as the service does (`confirmation_queue`, round-robin, at most ``2 *
+CONFIRM_REPEATS`` re-measurements per setting, until nothing is missing). The study itself is a
+real Optuna study in memory.
 
 Quality is judged against the table's medians (the truth):
 
@@ -42,9 +43,10 @@ from optuna._hypervolume import compute_hypervolume
 from optuna.trial import FrozenTrial
 
 from benchmarks.ground_truth import Entry, Space
-from loader_search.config import SamplerConfig, StudyConfig
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.recommend import (
+from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._plan import CEILING_ATTR, VAL_LOSS_ATTR, VAL_LOSS_FROM, plan_trial
+from loader_search.study._recommend import (
     BASELINE_ATTR,
     CONFIRMATION_ATTR,
     DIRECTIONS,
@@ -53,9 +55,8 @@ from loader_search.recommend import (
     stored_params,
     summarize_trials,
 )
-from loader_search.reuse import CEILING_ATTR, VAL_LOSS_ATTR, VAL_LOSS_FROM, plan_trial
-from loader_search.runner import make_sampler
-from loader_search.space import IntRange, ResolvedSpace
+from loader_search.study._session import make_sampler
+from loader_search.study._space import IntRange, ResolvedSpace
 
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
 HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)
@@ -249,8 +250,8 @@ class _Replay:
         return self._trials()
 
     def queue_confirmations(self) -> int:
-        """Queue what `loader_search.recommend.confirmation_queue` says, as the worker does
-        (`loader_search.worker.queue_confirmations`). Returns how many were queued."""
+        """Queue what `loader_search.study._recommend.confirmation_queue` says, as the worker does
+        (`loader_search.study._worker.queue_confirmations`). Returns how many were queued."""
         queue = confirmation_queue(self._trials(), LOSS_TOLERANCE, CONFIRM_TOP, CONFIRM_REPEATS)
         for params in queue:
             self.study.enqueue_trial(

@@ -25,15 +25,15 @@ import optuna
 from optuna.trial import TrialState
 
 from benchmarks.ground_truth import QUICKSTART, quick_config
-from loader_search.config import StudyConfig, load_config
-from loader_search.isolation import run_isolated
-from loader_search.locks import host_lock
 from loader_search.params import LoaderParams, RunPlan
-from loader_search.recommend import CONFIRMATION_ATTR
-from loader_search.reuse import VAL_LOSS_FROM
-from loader_search.runner import run_study
-from loader_search.system import resolve_device, usable_cpus
-from loader_search.trial import short_run_samples
+from loader_search.study._config import StudyConfig, load_config
+from loader_search.study._plan import VAL_LOSS_FROM
+from loader_search.study._recommend import CONFIRMATION_ATTR
+from loader_search.study._session import run_study
+from loader_search.team._locks import host_lock
+from loader_search.trial._run import short_run_samples
+from loader_search.trial._supervisor import run_isolated
+from loader_search.trial._system import resolve_device, usable_cpus
 from loader_search.workloads import load_workload
 
 

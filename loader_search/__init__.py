@@ -9,24 +9,24 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from loader_search._version import __version__
 
 _EXPORTS = {
-    "CpuRange": "loader_search.space",
-    "IntRange": "loader_search.space",
-    "SearchSpace": "loader_search.space",
+    "CpuRange": "loader_search.study._space",
+    "IntRange": "loader_search.study._space",
+    "SearchSpace": "loader_search.study._space",
     "LoaderParams": "loader_search.params",
     "dataloader_snippet": "loader_search.params",
-    "SamplerConfig": "loader_search.config",
-    "StudyConfig": "loader_search.config",
-    "load_config": "loader_search.config",
-    "StudySummary": "loader_search.recommend",
-    "run_study": "loader_search.runner",
-    "init_study": "loader_search.runner",
-    "run_worker": "loader_search.runner",
+    "SamplerConfig": "loader_search.study._config",
+    "StudyConfig": "loader_search.study._config",
+    "load_config": "loader_search.study._config",
+    "StudySummary": "loader_search.study._recommend",
+    "run_study": "loader_search.study._session",
+    "init_study": "loader_search.study._session",
+    "run_worker": "loader_search.study._session",
     "TrainingSettings": "loader_search.params",
-    "TrialResult": "loader_search.trial",
-    "run_trial": "loader_search.trial",
+    "TrialResult": "loader_search.trial._run",
+    "run_trial": "loader_search.trial._run",
     "Workload": "loader_search.workloads",
     "UserError": "loader_search.errors",
 }
@@ -53,13 +53,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from loader_search.config import SamplerConfig, StudyConfig, load_config
     from loader_search.errors import UserError
     from loader_search.params import LoaderParams, dataloader_snippet
-    from loader_search.recommend import StudySummary
-    from loader_search.runner import init_study, run_study, run_worker
-    from loader_search.space import CpuRange, IntRange, SearchSpace
-    from loader_search.trial import TrialResult, run_trial
+    from loader_search.study._config import SamplerConfig, StudyConfig, load_config
+    from loader_search.study._recommend import StudySummary
+    from loader_search.study._session import init_study, run_study, run_worker
+    from loader_search.study._space import CpuRange, IntRange, SearchSpace
+    from loader_search.trial._run import TrialResult, run_trial
     from loader_search.workloads import Workload
 
 

@@ -93,7 +93,7 @@ class TrainingSettings:
     warmup_batches: int = 2
     eval_batch_size: int = 256
     seed: int = 0
-    # A trial whose batch size was already evaluated stops early (see loader_search.reuse).
+    # A trial whose batch size was already evaluated stops early (see loader_search.study._plan).
     reuse_val_loss: bool = True
 
     def __post_init__(self) -> None:
@@ -110,9 +110,9 @@ class RunPlan:
 
     ``short_samples``: the throughput window ends when this many samples have trained, the
     same mark for a full and a shortened trial so that they compare (see
-    `loader_search.trial.short_run_samples`). ``stop_early``: stop training there and skip
+    `loader_search.trial._run.short_run_samples`). ``stop_early``: stop training there and skip
     the evaluation, because the study already knows the validation loss of this batch size
-    (see `loader_search.reuse`). ``measure_ceiling``: after training, time the same
+    (see `loader_search.study._plan`). ``measure_ceiling``: after training, time the same
     model on pre-decoded batches already on the device, the throughput no loader can beat.
     """
 

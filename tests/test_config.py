@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from loader_search.config import StudyConfig, load_config, parse_config
 from loader_search.errors import UserError
-from loader_search.space import CpuRange, IntRange
+from loader_search.study._config import StudyConfig, load_config, parse_config
+from loader_search.study._space import CpuRange, IntRange
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_cli_overrides() -> None:
 
 
 def test_trial_limits() -> None:
-    from loader_search.isolation import TrialLimits
+    from loader_search.trial._supervisor import TrialLimits
 
     assert parse_config({}).limits == TrialLimits(timeout_s=600.0, memory_limit_bytes=None)
     limits = parse_config({"limits": {"trial_timeout_s": 30, "memory_limit_gb": 1.5}}).limits

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_search.config import load_config, parse_config
-from loader_search.doctor import (
+from loader_search.cli._doctor import (
     CPUS,
     DEVICE,
     ISOLATION,
@@ -23,7 +22,8 @@ from loader_search.doctor import (
     shm_footprint_bytes,
 )
 from loader_search.params import LoaderParams
-from loader_search.space import CpuRange, IntRange, SearchSpace
+from loader_search.study._config import load_config, parse_config
+from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
 from tests.conftest import run_cli
 

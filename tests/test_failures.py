@@ -21,12 +21,12 @@ import torch
 from optuna.trial import TrialState
 from torch import nn
 
-from loader_search.config import SamplerConfig, StudyConfig
-from loader_search.isolation import TrialLimits
-from loader_search.objective import INFERRED_FROM
 from loader_search.params import TrainingSettings
-from loader_search.runner import init_study, run_study
-from loader_search.space import CpuRange, IntRange, SearchSpace
+from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._record import INFERRED_FROM
+from loader_search.study._session import init_study, run_study
+from loader_search.study._space import CpuRange, IntRange, SearchSpace
+from loader_search.trial._supervisor import TrialLimits
 from loader_search.workloads import Workload
 from tests._datasets import TimedDataset, linear_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loader_search import interrupts
-from loader_search.locks import host_lock
+from loader_search.team._locks import host_lock
 
 
 @pytest.fixture(autouse=True)

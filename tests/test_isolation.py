@@ -21,7 +21,9 @@ import psutil
 import pytest
 
 from loader_search.errors import TrainingDiverged
-from loader_search.isolation import (
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.trial._run import run_trial
+from loader_search.trial._supervisor import (
     CRASHED,
     CUDA_OOM,
     DIVERGED,
@@ -39,8 +41,6 @@ from loader_search.isolation import (
     classify_exit,
     run_isolated,
 )
-from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.trial import run_trial
 from loader_search.workloads import Workload
 from tests import _faults
 from tests.conftest import ROOT
@@ -235,7 +235,7 @@ def test_pinning_is_checked_before_forking() -> None:
 INTERRUPT_SCRIPT = """
 import sys
 import psutil
-from loader_search.isolation import TrialLimits, run_isolated
+from loader_search.trial._supervisor import TrialLimits, run_isolated
 from loader_search.params import LoaderParams, TrainingSettings
 from tests._faults import hang
 
@@ -335,7 +335,7 @@ def test_the_parent_imports_once_what_every_trial_would_import() -> None:
     test process has imported it long ago."""
     code = (
         "import sys\n"
-        "from loader_search.isolation import run_isolated\n"
+        "from loader_search.trial._supervisor import run_isolated\n"
         "from loader_search.params import LoaderParams, TrainingSettings\n"
         "from tests._faults import good\n"
         "assert 'torch._dynamo' not in sys.modules\n"

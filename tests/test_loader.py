@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from loader_search.loader import build_loader
 from loader_search.params import LoaderParams, dataloader_snippet
+from loader_search.trial._loader import build_loader
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 
-from loader_search import locks
 from loader_search.errors import UserError
-from loader_search.locks import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
+from loader_search.team import _locks as locks
+from loader_search.team._locks import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
 from tests.conftest import MARIADB_URL, POSTGRES_URL, ROOT, scratch_database
 
 
@@ -269,7 +269,7 @@ def test_a_process_refuses_a_configured_lock_folder_another_user_owns(sticky: Pa
         [
             sys.executable,
             "-c",
-            "from loader_search.locks import host_lock\nwith host_lock(): pass",
+            "from loader_search.team._locks import host_lock\nwith host_lock(): pass",
         ],
         env={**os.environ, LOCK_DIR_ENV: str(folder)},
         cwd=ROOT,
@@ -301,7 +301,7 @@ def test_the_sqlite_study_lock_never_follows_a_planted_symlink(sticky: Path, vic
 _HOLDER = """
 import os, sys
 from pathlib import Path
-from loader_search.locks import host_lock
+from loader_search.team._locks import host_lock
 print(os.getpid(), flush=True)
 sys.stdin.readline()
 with host_lock(directory=Path(sys.argv[1]), study=sys.argv[2]):

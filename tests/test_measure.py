@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from loader_search.measure import PeakRSS, StepMeter
+from loader_search.trial._measure import PeakRSS, StepMeter
 
 
 def test_window_excludes_warmup_batches() -> None:

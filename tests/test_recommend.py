@@ -6,7 +6,7 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
 from loader_search.params import LoaderParams
-from loader_search.recommend import (
+from loader_search.study._recommend import (
     BASELINE_ATTR,
     DIRECTIONS,
     PARAMS_ATTR,

@@ -35,15 +35,15 @@ from benchmarks.replay import (
     table,
     trials_to_5pct,
 )
-from loader_search.config import SamplerConfig
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.recommend import (
+from loader_search.study._config import SamplerConfig
+from loader_search.study._plan import CEILING_ATTR, VAL_LOSS_FROM
+from loader_search.study._recommend import (
     CONFIRMATION_ATTR,
     PARAMS_ATTR,
     confirmation_candidates,
     summarize_trials,
 )
-from loader_search.reuse import CEILING_ATTR, VAL_LOSS_FROM
 
 # QUICK_SPACE.configs(): batch 32 and 64, each without workers and with one worker.
 B32_W0, B32_W1, B64_W0, B64_W1 = QUICK_SPACE.configs()

@@ -16,10 +16,10 @@ from optuna.trial import TrialState
 from plotly.offline import get_plotlyjs
 from typer.testing import CliRunner
 
-from loader_search.cli import app
-from loader_search.recommend import HARDWARE_ATTR, HARDWARE_CLASS_ATTR, PARAMS_ATTR
-from loader_search.report import INPUT_BOUND_THRESHOLD, ReportData, collect, importances
-from loader_search.report_html import PLOT_IDS, render
+from loader_search.cli._commands import app
+from loader_search.report._data import INPUT_BOUND_THRESHOLD, ReportData, collect, importances
+from loader_search.report._html import PLOT_IDS, render
+from loader_search.study._recommend import HARDWARE_ATTR, HARDWARE_CLASS_ATTR, PARAMS_ATTR
 from tests.conftest import TINY_CONFIG, run_cli
 
 # The added infeasible trial's "measured" values would dominate every real trial: if it

@@ -10,10 +10,16 @@ import optuna
 import pytest
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.config import SamplerConfig, StudyConfig
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.recommend import (
+from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._plan import (
+    CEILING_ATTR,
+    CEILING_FROM,
+    VAL_LOSS_ATTR,
+    VAL_LOSS_FROM,
+)
+from loader_search.study._recommend import (
     BASELINE_ATTR,
     CONFIRMATION_ATTR,
     LOADER_EFFICIENCY_ATTR,
@@ -23,15 +29,9 @@ from loader_search.recommend import (
     merge_repeats,
     pareto_front,
 )
-from loader_search.reuse import (
-    CEILING_ATTR,
-    CEILING_FROM,
-    VAL_LOSS_ATTR,
-    VAL_LOSS_FROM,
-)
-from loader_search.runner import run_study
-from loader_search.space import CpuRange, IntRange, SearchSpace
-from loader_search.worker import count_finished
+from loader_search.study._session import run_study
+from loader_search.study._space import CpuRange, IntRange, SearchSpace
+from loader_search.study._worker import count_finished
 from loader_search.workloads import Workload
 
 TRAINING = TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64)

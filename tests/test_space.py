@@ -4,14 +4,14 @@ import optuna
 import pytest
 
 from loader_search.params import LoaderParams
-from loader_search.space import (
+from loader_search.study._space import (
     CpuRange,
     IntRange,
     SearchSpace,
     default_torch_threads,
     power_of_two_steps,
 )
-from loader_search.system import usable_cpus
+from loader_search.trial._system import usable_cpus
 
 
 def _draw(space: SearchSpace, n: int, cpus: int, cuda: bool = False) -> list[LoaderParams]:

@@ -7,7 +7,7 @@ import optuna
 import pytest
 
 from loader_search.errors import UserError
-from loader_search.storage import (
+from loader_search.team._storage import (
     DEFAULT_STORAGE,
     STORAGE_ENV,
     mask_url,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loader_search.errors import UserError
-from loader_search.system import _cgroup_cpu_limit, resolve_device, usable_cpus
+from loader_search.trial._system import _cgroup_cpu_limit, resolve_device, usable_cpus
 
 
 def test_usable_cpus_follow_the_affinity_mask() -> None:

@@ -6,7 +6,12 @@ import pytest
 
 from loader_search.errors import TrainingDiverged
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings, scaled_lr
-from loader_search.trial import BATCHES_PAST_EPOCH, run_trial, short_run_samples, warmup_batches
+from loader_search.trial._run import (
+    BATCHES_PAST_EPOCH,
+    run_trial,
+    short_run_samples,
+    warmup_batches,
+)
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload
 

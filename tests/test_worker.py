@@ -8,16 +8,16 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from loader_search.objective import CONSTRAINT, FAILURE_REASON
-from loader_search.recommend import BASELINE_ATTR, CONFIRMATION_ATTR, DIRECTIONS
-from loader_search.storage import Heartbeat, open_storage
-from loader_search.worker import (
+from loader_search.study._recommend import BASELINE_ATTR, CONFIRMATION_ATTR, DIRECTIONS
+from loader_search.study._record import CONSTRAINT, FAILURE_REASON
+from loader_search.study._worker import (
     RetryStaleTrial,
     _Health,
     count_used,
     fail_stale_trials,
     uses_budget,
 )
+from loader_search.team._storage import Heartbeat, open_storage
 
 GRACE_S = 2
 

@@ -18,8 +18,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from loader_search.objective import FAILURE_REASON
-from loader_search.worker import count_finished
+from loader_search.study._record import FAILURE_REASON
+from loader_search.study._worker import count_finished
 from loader_search.workloads import Workload
 from tests.conftest import (
     MARIADB_URL,
@@ -342,12 +342,12 @@ def test_a_result_written_during_an_outage_is_kept(
     postgres_db: str, tiny_workload: Workload
 ) -> None:
     """The database stops just as a trial finishes; its result is written once it is back."""
-    from loader_search.isolation import TrialOutcome
-    from loader_search.objective import record
     from loader_search.params import LoaderParams, TrainingSettings
-    from loader_search.recommend import DIRECTIONS
-    from loader_search.storage import open_storage
-    from loader_search.trial import run_trial
+    from loader_search.study._recommend import DIRECTIONS
+    from loader_search.study._record import record
+    from loader_search.team._storage import open_storage
+    from loader_search.trial._run import run_trial
+    from loader_search.trial._supervisor import TrialOutcome
 
     study = optuna.create_study(
         study_name="outage", storage=open_storage(postgres_db), directions=list(DIRECTIONS)

@@ -25,12 +25,12 @@ from rich.table import Table
 # Heavy modules (torch, optuna) are imported inside the commands: `--help` and input errors
 # answer at once.
 from loader_search.errors import StudyAborted, UserError
-from loader_search.storage import STORAGE_ENV, mask_url, scrub_urls
+from loader_search.team._storage import STORAGE_ENV, mask_url, scrub_urls
 
 if TYPE_CHECKING:
     from loader_search.params import LoaderParams
-    from loader_search.recommend import StudySummary
-    from loader_search.runner import StudyInfo, TrialEvent
+    from loader_search.study._recommend import StudySummary
+    from loader_search.study._session import StudyInfo, TrialEvent
 
 DEBUG_ENV = "LOADER_SEARCH_DEBUG"
 
@@ -208,11 +208,11 @@ def run(
     recommendation rests on medians. `loader-search worker` processes on other machines can
     join it meanwhile.
     """
-    from loader_search.config import load_config
+    from loader_search.study._config import load_config
 
     cfg = load_config(config).with_overrides(name=study_name, timeout_s=timeout)
     pinned = _parse_cpus(cpus)
-    from loader_search.runner import run_study  # torch: only once the config is known good
+    from loader_search.study._session import run_study  # torch: only once the config is known good
 
     reporter = RichReporter(console)
     try:
@@ -252,10 +252,10 @@ def init(
 
     Safe to repeat: an existing study is continued (its budget updated with --n-trials).
     """
-    from loader_search.config import load_config
+    from loader_search.study._config import load_config
 
     cfg = load_config(config).with_overrides(name=study_name)
-    from loader_search.runner import init_study
+    from loader_search.study._session import init_study
 
     reporter = RichReporter(console)
     try:
@@ -322,7 +322,7 @@ def worker(
     Whoever can write to the database chooses the study's workload, so a worker runs a
     plug-in (code) only if this machine allows it with --allow-plugin.
     """
-    from loader_search.runner import run_worker
+    from loader_search.study._session import run_worker
 
     reporter = RichReporter(console)
     try:
@@ -376,9 +376,9 @@ def best(
     ] = None,
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
-    from loader_search.config import StudyConfig
-    from loader_search.recommend import TOLERANCE_ATTR, hardware_classes, summarize
-    from loader_search.storage import open_storage, resolve_storage_url
+    from loader_search.study._config import StudyConfig
+    from loader_search.study._recommend import TOLERANCE_ATTR, hardware_classes, summarize
+    from loader_search.team._storage import open_storage, resolve_storage_url
 
     if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
         raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
@@ -448,9 +448,9 @@ def report(
     workers x prefetch, data-wait, memory, failures and hardware. The JSON holds the same
     data, with `best --json`'s output under "summary".
     """
-    from loader_search.config import StudyConfig
-    from loader_search.recommend import TOLERANCE_ATTR, hardware_classes
-    from loader_search.storage import open_storage, resolve_storage_url
+    from loader_search.study._config import StudyConfig
+    from loader_search.study._recommend import TOLERANCE_ATTR, hardware_classes
+    from loader_search.team._storage import open_storage, resolve_storage_url
 
     if fmt not in REPORT_FORMATS:
         raise UserError(f"--format {fmt!r}: use html or json")
@@ -481,7 +481,7 @@ def report(
 
     import optuna
 
-    from loader_search.report import collect
+    from loader_search.report._data import collect
 
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created" lines
@@ -492,7 +492,7 @@ def report(
     if fmt == "json":
         text = json.dumps(data.as_dict(), indent=2) + "\n"
     else:
-        from loader_search.report_html import render
+        from loader_search.report._html import render
 
         text = render(data)
     if to_stdout:
@@ -541,8 +541,8 @@ def dashboard(
     on its Pareto front. On a remote machine: ssh -L 8080:127.0.0.1:8080 HOST, then open
     http://127.0.0.1:8080/dashboard/ locally.
     """
-    from loader_search.dashboard import serve
-    from loader_search.storage import open_storage, resolve_storage_url
+    from loader_search.report._dashboard import serve
+    from loader_search.team._storage import open_storage, resolve_storage_url
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must be between 1 and 65535 (0: any free port)")
@@ -570,8 +570,8 @@ def studies(storage: StorageOption = None) -> None:
     import optuna
     from optuna.trial import TrialState
 
-    from loader_search.recommend import BUDGET_ATTR
-    from loader_search.storage import open_storage, resolve_storage_url
+    from loader_search.study._recommend import BUDGET_ATTR
+    from loader_search.team._storage import open_storage, resolve_storage_url
 
     url = resolve_storage_url(storage)
     rdb = open_storage(url, must_exist=True)
@@ -618,10 +618,10 @@ def doctor(
 
     Exits 1 when a check fails, 0 otherwise (warnings included).
     """
-    from loader_search.config import load_config
+    from loader_search.study._config import load_config
 
     cfg = load_config(config) if config is not None else None
-    from loader_search.doctor import diagnose  # torch: only once the config is known good
+    from loader_search.cli._doctor import diagnose  # torch: only once the config is known good
     from loader_search.workloads import load_workload
 
     workload = None
@@ -648,7 +648,7 @@ def doctor(
 def _load_study(storage: Any, name: str, url: str) -> Any:
     import optuna
 
-    from loader_search.recommend import DIRECTIONS, FINGERPRINT_ATTR
+    from loader_search.study._recommend import DIRECTIONS, FINGERPRINT_ATTR
 
     names = optuna.study.get_all_study_names(storage)
     if name not in names:

@@ -6,7 +6,7 @@ Everything here returns plain frozen dataclasses (or JSON-ready dicts) so the te
 Throughput is noisy (5-25% from one run to the next on a small shared CPU), so trials that ran
 the exact same settings are one point: its throughput and validation loss are the medians of
 their measurements. The study re-measures its best candidates before it ends (see
-`loader_search.worker`), so the recommendation rests on medians, not on one lucky reading.
+`loader_search.study._worker`), so the recommendation rests on medians, not on one lucky reading.
 
 The recommendation rule: among the Pareto-optimal points, the fastest one whose validation
 loss is at most the baseline's plus ``loss_tolerance`` (relative), i.e. "faster without making
@@ -36,7 +36,9 @@ PARAMS_ATTR = "loader_params"
 # Trial attributes: the machine a trial ran on (a dict) and its short hardware-class key.
 HARDWARE_ATTR = "hardware"
 HARDWARE_CLASS_ATTR = "hardware_class"
-LOADER_EFFICIENCY_ATTR = "loader_efficiency"  # throughput / ceiling (see loader_search.reuse)
+LOADER_EFFICIENCY_ATTR = (
+    "loader_efficiency"  # throughput / ceiling (see loader_search.study._plan)
+)
 # Study attributes.
 FINGERPRINT_ATTR = "fingerprint"
 BUDGET_ATTR = "trial_budget"

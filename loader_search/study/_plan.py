@@ -2,12 +2,12 @@
 
 **Validation loss.** Loader settings do not change what the model learns: every trial trains
 the same model from the same weights on the same samples in the same order (see
-`loader_search.loader.build_loader`) with the learning rate of its batch size. Batch size
+`loader_search.trial._loader.build_loader`) with the learning rate of its batch size. Batch size
 (and the training settings, which a study fixes) decides the validation loss; ``num_workers``,
 ``prefetch_factor``, ``pin_memory``, ``persistent_workers`` and the thread count only decide
 how fast the batches arrive. So once a trial of a batch size has trained its whole budget and
 been evaluated, a later trial of that batch size trains only long enough to read its
-throughput (`loader_search.trial.short_run_samples`), skips the evaluation, and reports the
+throughput (`loader_search.trial._run.short_run_samples`), skips the evaluation, and reports the
 median validation loss of the evaluated trials of its batch size, naming them in
 ``val_loss_from``. Multi-objective studies cannot be pruned in Optuna, and this is the early
 stop that fits the problem: what is saved is the convergence part, which the loader does not
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
-from loader_search.recommend import HARDWARE_CLASS_ATTR, is_feasible, stored_params
-from loader_search.trial import short_run_samples
+from loader_search.study._recommend import HARDWARE_CLASS_ATTR, is_feasible, stored_params
+from loader_search.trial._run import short_run_samples
 
 # Trial user attributes (the measurements themselves are `TrialResult` fields).
 VAL_LOSS_ATTR = "val_loss"  # only evaluated trials store it

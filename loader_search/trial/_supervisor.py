@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import torch
 
     from loader_search.params import LoaderParams, TrainingSettings
-    from loader_search.trial import TrialResult
+    from loader_search.trial._run import TrialResult
     from loader_search.workloads import Workload
 
 # Read by torch.cuda.is_available() at call time: ask NVML, leave the CUDA driver untouched.
@@ -296,7 +296,7 @@ def run_isolated(
     gpu: int | None = None,
     plan: RunPlan = FULL_RUN,
 ) -> TrialOutcome:
-    """Run `loader_search.trial.run_trial` (with ``plan``) in a forked child process and
+    """Run `loader_search.trial._run.run_trial` (with ``plan``) in a forked child process and
     classify its end.
 
     ``cpus`` pins the child (and so its loader workers) to those CPUs; ``gpu`` makes only
@@ -370,7 +370,7 @@ def _run_in_process(
     device: str,
     plan: RunPlan = FULL_RUN,
 ) -> TrialOutcome:
-    from loader_search.trial import run_trial
+    from loader_search.trial._run import run_trial
 
     started = time.perf_counter()
     try:
@@ -412,7 +412,7 @@ class _Supervisor:
         plan: RunPlan,
     ) -> TrialOutcome:
         # Imported here, once: every child inherits the module instead of importing it.
-        import loader_search.trial  # noqa: F401
+        import loader_search.trial._run  # noqa: F401
 
         context = multiprocessing.get_context("fork")
         reader, writer = context.Pipe(duplex=False)
@@ -565,7 +565,7 @@ def _child_main(
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # read when CUDA initialises
             device = "cuda:0"
         conn.send(("ready",))
-        from loader_search.trial import run_trial
+        from loader_search.trial._run import run_trial
 
         result = run_trial(
             workload, params, settings, device, progress=_Heartbeat(conn), plan=plan

@@ -1,6 +1,6 @@
 """Drawing the report: one self-contained HTML file from a `ReportData`.
 
-Nothing is computed here that a test would need to check; `loader_search.report` does that.
+Nothing is computed here that a test would need to check; `loader_search.report._data` does that.
 The file works offline: plotly.js is embedded once, inline, and the page loads nothing else
 (no CDN, no MathJax, no fonts, no images), so it can be mailed or archived as is.
 The plotly.js bundle itself contains URL strings (map tiles for map traces, which this report
@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
-from loader_search.report import ReportData, ReportTrial
+from loader_search.report._data import ReportData, ReportTrial
 
 # Plot ids, in page order; the browser test expects each container to hold a drawn plot.
 PLOT_IDS = (

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.isolation import HOST_OOM, INTERRUPTED, TrialFailure, TrialOutcome
 from loader_search.params import LoaderParams
-from loader_search.recommend import (
+from loader_search.study._plan import CEILING_FROM, VAL_LOSS_FROM, Reuse
+from loader_search.study._recommend import (
     HARDWARE_CLASS_ATTR,
     LOADER_EFFICIENCY_ATTR,
     stored_params,
 )
-from loader_search.reuse import CEILING_FROM, VAL_LOSS_FROM, Reuse
-from loader_search.storage import retrying
+from loader_search.team._storage import retrying
+from loader_search.trial._supervisor import HOST_OOM, INTERRUPTED, TrialFailure, TrialOutcome
 
 FAILURE_REASON = "failure_reason"
 FAILURE_MESSAGE = "failure_message"
@@ -108,7 +108,7 @@ def record(
 ) -> Recorded:
     """Store ``outcome`` on ``trial`` and finish it. Every write is retried while the
     database is unreachable, so a result measured during a database restart is kept.
-    ``reuse`` supplies what the trial did not measure itself (see `loader_search.reuse`): the
+    ``reuse`` supplies what the trial did not measure itself (see `loader_search.study._plan`): the
     validation loss of a trial that stopped early, and the ceiling for its loader efficiency.
 
     Should a sweeper have failed the trial meanwhile (an outage longer than the grace

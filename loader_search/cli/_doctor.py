@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from loader_search.errors import UserError
-from loader_search.isolation import can_isolate
 from loader_search.params import LoaderParams
-from loader_search.space import IntRange, ResolvedSpace
-from loader_search.system import (
+from loader_search.study._space import IntRange, ResolvedSpace
+from loader_search.trial._supervisor import can_isolate
+from loader_search.trial._system import (
     _cgroup_cpu_limit,
     cgroup_memory_limit_bytes,
     cpu_model,
@@ -36,7 +36,7 @@ from loader_search.system import (
 )
 
 if TYPE_CHECKING:
-    from loader_search.config import StudyConfig
+    from loader_search.study._config import StudyConfig
     from loader_search.workloads import Workload
 
 Verdict = Literal["ok", "warn", "fail"]
@@ -407,7 +407,7 @@ def _start_method() -> Check:
 
 
 def _isolation(config: StudyConfig | None) -> Check:
-    from loader_search.isolation import TrialLimits
+    from loader_search.trial._supervisor import TrialLimits
 
     limits = config.limits if config is not None else TrialLimits()
     memory = (
@@ -434,7 +434,7 @@ def _isolation(config: StudyConfig | None) -> Check:
 def _storage(storage_url: str | None) -> Check:
     from sqlalchemy.engine import make_url
 
-    from loader_search.storage import mask_url, open_storage, resolve_storage_url
+    from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
 
     try:
         url = resolve_storage_url(storage_url)

@@ -3,7 +3,7 @@
 The run trains a fresh, identically initialised model for a fixed number of training samples,
 the same for every batch size, so the validation loss at the end carries batch size's
 convergence cost next to its speed. Throughput is measured over the steady state only (see
-`loader_search.measure`).
+`loader_search.trial._measure`).
 
 A `RunPlan` adds what the study asks of a trial. With ``short_samples`` the throughput window
 ends there, part-way through training, for every trial of a study alike: a trial of a batch size
@@ -25,8 +25,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from loader_search.errors import TrainingDiverged
-from loader_search.loader import build_loader
-from loader_search.measure import PeakRSS, StepMeter, WindowStats
 from loader_search.params import (
     FULL_RUN,
     LoaderParams,
@@ -34,6 +32,8 @@ from loader_search.params import (
     TrainingSettings,
     scaled_lr,
 )
+from loader_search.trial._loader import build_loader
+from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
 from loader_search.workloads import Workload
 
 # Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
@@ -133,8 +133,8 @@ def run_trial(
     (and what ``plan`` asks, see `RunPlan`).
 
     ``progress`` is called after every training step and every evaluation batch: it is the
-    heartbeat `loader_search.isolation` watches to tell a slow trial from a hung one. It must
-    be cheap (it runs inside the timed window).
+    heartbeat `loader_search.trial._supervisor` watches to tell a slow trial from a hung one.
+    It must be cheap (it runs inside the timed window).
 
     Raises `TrainingDiverged` when the loss becomes non-finite, and ``ValueError`` when the
     budget is too small to measure anything after the warm-up.

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loader_search.errors import UserError
-from loader_search.isolation import TrialLimits
 from loader_search.params import LR_SCALINGS, TrainingSettings
-from loader_search.space import CpuRange, IntRange, SearchSpace, power_of_two_steps
-from loader_search.storage import Heartbeat
+from loader_search.study._space import CpuRange, IntRange, SearchSpace, power_of_two_steps
+from loader_search.team._storage import Heartbeat
+from loader_search.trial._supervisor import TrialLimits
 
 if sys.version_info >= (3, 11):
     import tomllib

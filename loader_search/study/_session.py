@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from loader_search import __version__
-from loader_search.config import StudyConfig, parse_config
-from loader_search.doctor import fit_space, sample_bytes
+from loader_search._version import __version__
+from loader_search.cli._doctor import fit_space, sample_bytes
 from loader_search.errors import UserError
-from loader_search.hardware import Hardware, collect, gpu_count
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.recommend import (
+from loader_search.study._config import StudyConfig, parse_config
+from loader_search.study._recommend import (
     BUDGET_ATTR,
     CONFIRM_ATTR,
     DIRECTIONS,
@@ -37,11 +36,8 @@ from loader_search.recommend import (
     hardware_classes,
     summarize,
 )
-from loader_search.space import ResolvedSpace
-from loader_search.storage import mask_url, open_storage, resolve_storage_url
-from loader_search.system import resolve_device, shm_bytes, usable_cpus
-from loader_search.trial import MIN_MEASURED_BATCHES, batches_needed
-from loader_search.worker import (
+from loader_search.study._space import ResolvedSpace
+from loader_search.study._worker import (
     STUDY_HARDWARE_ATTR,
     NullReporter,
     Reporter,
@@ -53,6 +49,10 @@ from loader_search.worker import (
     hardware_mismatch,
     work,
 )
+from loader_search.team._hardware import Hardware, collect, gpu_count
+from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
+from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
+from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
 from loader_search.workloads import Workload, check_allowed, load_workload
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str
     under other training settings would not compare. (Hardware is checked apart, per trial:
     see `_check_hardware`.)"""
     return {
-        # How throughput is measured: warm-up to the early-stop mark (loader_search.trial).
+        # How throughput is measured: warm-up to the early-stop mark (loader_search.trial._run).
         # Studies that earlier versions measured over the whole run do not compare.
         "throughput_window": "warmup-to-mark",
         "workload": spec,

@@ -4,7 +4,7 @@ Many workers on many machines share one study and one trial budget. What keeps t
 
 * **One step to count and take.** Counting the trials that used the budget and taking the
   next one (a queued retry first, else a new suggestion) happen under the study lock
-  (`loader_search.locks.study_lock`), so N workers never run more than the budget, and on
+  (`loader_search.team._locks.study_lock`), so N workers never run more than the budget, and on
   SQLite two processes never take the same queued trial.
 * **Heartbeats.** While a trial trains, a thread writes its heartbeat. A trial whose worker
   died (SIGKILL, lost machine) stops beating; after the grace period a sweeper thread, which
@@ -12,8 +12,8 @@ Many workers on many machines share one study and one trial budget. What keeps t
   `RetryHeartbeatStaleTrialCallback` queues it again with the same settings (a bounded
   number of times). Our own threads are used instead of ``study.optimize``'s so that a
   database restart does not kill the heartbeat, and so that results can be written with
-  retries (`loader_search.objective.record`).
-* **One trial per host at a time** (`loader_search.locks.host_lock`), unless each worker is
+  retries (`loader_search.study._record.record`).
+* **One trial per host at a time** (`loader_search.team._locks.host_lock`), unless each worker is
   pinned to its own CPUs and GPU.
 """
 
@@ -34,20 +34,11 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search import interrupts
-from loader_search.config import StudyConfig
 from loader_search.errors import StudyAborted, UserError
-from loader_search.hardware import Hardware
-from loader_search.isolation import INTERRUPTED, TrialOutcome, run_isolated
-from loader_search.locks import host_lock, study_lock
-from loader_search.objective import (
-    FAILURE_REASON,
-    Recorded,
-    known_failure,
-    record,
-    record_interrupted,
-)
 from loader_search.params import LoaderParams
-from loader_search.recommend import (
+from loader_search.study._config import StudyConfig
+from loader_search.study._plan import plan_trial
+from loader_search.study._recommend import (
     BASELINE_ATTR,
     BUDGET_ATTR,
     CONFIRM_ATTR,
@@ -59,9 +50,18 @@ from loader_search.recommend import (
     confirmation_queue,
     is_feasible,
 )
-from loader_search.reuse import plan_trial
-from loader_search.space import ResolvedSpace
-from loader_search.storage import retrying
+from loader_search.study._record import (
+    FAILURE_REASON,
+    Recorded,
+    known_failure,
+    record,
+    record_interrupted,
+)
+from loader_search.study._space import ResolvedSpace
+from loader_search.team._hardware import Hardware
+from loader_search.team._locks import host_lock, study_lock
+from loader_search.team._storage import retrying
+from loader_search.trial._supervisor import INTERRUPTED, TrialOutcome, run_isolated
 from loader_search.workloads import Workload
 
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)

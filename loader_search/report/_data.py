@@ -2,7 +2,7 @@
 
 Compute first, draw second: `collect` reads a study into a `ReportData` made of frozen
 dataclasses; `ReportData.as_dict` is what ``loader-search report --format json`` prints, and
-`loader_search.report_html` only draws it. Tests check this structure, not pictures.
+`loader_search.report._html` only draws it. Tests check this structure, not pictures.
 
 Choices made here, and stated in the report itself:
 
@@ -34,9 +34,8 @@ import optuna
 from optuna.study._constrained_optimization import _get_feasible_trials
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.objective import FAILURE_HINT, FAILURE_MESSAGE, FAILURE_REASON
 from loader_search.params import LoaderParams
-from loader_search.recommend import (
+from loader_search.study._recommend import (
     BASELINE_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
@@ -47,8 +46,9 @@ from loader_search.recommend import (
     StudySummary,
     summarize,
 )
+from loader_search.study._record import FAILURE_HINT, FAILURE_MESSAGE, FAILURE_REASON
 
-# Trial user attributes with measurements (see `loader_search.trial.TrialResult`).
+# Trial user attributes with measurements (see `loader_search.trial._run.TrialResult`).
 DATA_WAIT = "data_wait_fraction"
 PEAK_RSS = "peak_host_rss_bytes"
 PEAK_GPU = "peak_gpu_bytes"
@@ -91,7 +91,7 @@ class ReportTrial:
     val_loss: float | None
     data_wait_fraction: float | None
     bound: Bound | None
-    loader_efficiency: float | None  # throughput / ceiling (see loader_search.reuse)
+    loader_efficiency: float | None  # throughput / ceiling (see loader_search.study._plan)
     peak_host_rss_bytes: int | None
     peak_gpu_bytes: int | None
     duration_s: float | None  # wall time from the trial's start to its end
