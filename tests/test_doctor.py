@@ -17,12 +17,10 @@ from loader_search.cli._doctor import (
     STORAGE,
     WORKLOAD,
     diagnose,
-    fit_space,
-    sample_bytes,
-    shm_footprint_bytes,
 )
 from loader_search.params import LoaderParams
 from loader_search.study._config import load_config, parse_config
+from loader_search.study._fit import fit_space, sample_bytes, shm_footprint_bytes
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
 from tests.conftest import run_cli

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import signal
 import sys
@@ -376,19 +375,12 @@ def best(
     ] = None,
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
-    from loader_search.study._config import StudyConfig
-    from loader_search.study._recommend import TOLERANCE_ATTR, hardware_classes, summarize
-    from loader_search.team._storage import open_storage, resolve_storage_url
+    from loader_search.study._recommend import summarize
+    from loader_search.study._session import open_existing_study
 
-    if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
-        raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
-    url = resolve_storage_url(storage)
-    loaded = _load_study(open_storage(url, must_exist=True), study, url)
-    tolerance = loss_tolerance
-    if tolerance is None:
-        default = StudyConfig().loss_tolerance
-        tolerance = float(loaded.user_attrs.get(TOLERANCE_ATTR, default))
-    classes = hardware_classes(loaded)
+    existing = open_existing_study(study, storage, loss_tolerance=loss_tolerance)
+    loaded, tolerance = existing.study, existing.loss_tolerance
+    classes = existing.hardware_classes
     if len(classes) > 1:
         # Throughputs from different machines never compare: one summary per class.
         summaries = [summarize(loaded, tolerance, key) for key in classes]
@@ -448,26 +440,17 @@ def report(
     workers x prefetch, data-wait, memory, failures and hardware. The JSON holds the same
     data, with `best --json`'s output under "summary".
     """
-    from loader_search.study._config import StudyConfig
-    from loader_search.study._recommend import TOLERANCE_ATTR, hardware_classes
-    from loader_search.team._storage import open_storage, resolve_storage_url
+    from loader_search.study._session import open_existing_study
 
     if fmt not in REPORT_FORMATS:
         raise UserError(f"--format {fmt!r}: use html or json")
-    if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
-        raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
     if output is None and fmt == "html":
         output = Path(f"{study}-report.html")
     to_stdout = output is None or str(output) == "-"
     if output is not None and not to_stdout:
         _check_writable(output)
-    url = resolve_storage_url(storage)
-    loaded = _load_study(open_storage(url, must_exist=True), study, url)
-    tolerance = loss_tolerance
-    if tolerance is None:
-        default = StudyConfig().loss_tolerance
-        tolerance = float(loaded.user_attrs.get(TOLERANCE_ATTR, default))
-    classes = hardware_classes(loaded)
+    existing = open_existing_study(study, storage, loss_tolerance=loss_tolerance)
+    loaded, tolerance, classes = existing.study, existing.loss_tolerance, existing.hardware_classes
     if hardware_class is not None and hardware_class not in classes:
         raise UserError(
             f"--hardware-class {hardware_class!r}: study {study!r} has no trials of it"
@@ -643,28 +626,6 @@ def doctor(
     console.print(table)
     if any(check.verdict == "fail" for check in checks):
         raise typer.Exit(1)
-
-
-def _load_study(storage: Any, name: str, url: str) -> Any:
-    import optuna
-
-    from loader_search.study._recommend import DIRECTIONS, FINGERPRINT_ATTR
-
-    names = optuna.study.get_all_study_names(storage)
-    if name not in names:
-        known = ", ".join(names) if names else "none"
-        raise UserError(
-            f"no study named {name!r} in {mask_url(url)} (studies there: {known});"
-            " check the name or --storage"
-        )
-    study = optuna.load_study(study_name=name, storage=storage)
-    directions = [d.name.lower() for d in study.directions]
-    if directions != list(DIRECTIONS) or FINGERPRINT_ATTR not in study.user_attrs:
-        raise UserError(
-            f"study {name!r} was not created by loader-search (it needs its two objectives,"
-            " throughput and val_loss): pick one from `loader-search studies`"
-        )
-    return study
 
 
 class RichReporter:

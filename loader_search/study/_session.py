@@ -15,16 +15,17 @@ import os
 import platform
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
 
 from loader_search._version import __version__
-from loader_search.cli._doctor import fit_space, sample_bytes
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig, parse_config
+from loader_search.study._fit import fit_space, sample_bytes
 from loader_search.study._recommend import (
     BUDGET_ATTR,
     CONFIRM_ATTR,
@@ -466,13 +467,13 @@ def run_worker(
         url = resolve_storage_url(storage)
         shown = mask_url(url)
         reporter.preparing(f"opening storage {shown}")
-        plain = open_storage(url, must_exist=True)
-        study = load_existing_study(plain, study_name, shown)
+        existing = open_existing_study(study_name, url)
+        study = existing.study
         if config is None:
             config = stored_config(study)
             if workload is None:
                 check_allowed(config.workload, allow_plugins)
-        plain.engine.dispose()  # opened again below, with the study's heartbeat settings
+        existing.rdb.engine.dispose()  # opened again below, with the study's heartbeat settings
         device, hardware = _this_machine(config, cpus, gpu)
         ncpus = hardware.usable_cpus
         space = config.space.resolve(ncpus, cuda=device.type == "cuda")
@@ -523,18 +524,41 @@ def run_worker(
         return _summary(study, tolerance, hardware)
 
 
-def load_existing_study(
-    storage: optuna.storages.BaseStorage, name: str, shown: str
-) -> optuna.Study:
-    """The study ``name``, or a one-line error that lists the studies there are."""
-    names = optuna.study.get_all_study_names(storage)
+@dataclass(frozen=True)
+class ExistingStudy:
+    """A loader-search study opened for reading (``best``, ``report``) or joining (``worker``)."""
+
+    study: optuna.Study
+    rdb: optuna.storages.RDBStorage  # the storage it was opened with (no heartbeat)
+    storage: str  # its URL with any password masked
+    loss_tolerance: float  # the one asked for, else the study's stored one
+    hardware_classes: tuple[str, ...]  # of its trials, in the order they first ran
+
+
+def open_existing_study(
+    name: str, storage: str | None = None, *, loss_tolerance: float | None = None
+) -> ExistingStudy:
+    """Open the existing loader-search study ``name`` at the URL ``storage`` (``None``: the
+    default, see `resolve_storage_url`); `UserError` (one line) when there is no such study
+    (naming the ones there are) or the study is not a loader-search one."""
+    if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
+        raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
+    url = resolve_storage_url(storage)
+    opened, shown = open_storage(url, must_exist=True), mask_url(url)
+    names = optuna.study.get_all_study_names(opened)
     if name not in names:
-        there = ", ".join(repr(n) for n in names[:10]) or "none"
+        known = ", ".join(names) if names else "none"
         raise UserError(
-            f"no study {name!r} in storage {shown} (studies there: {there}); create it with"
-            " `loader-search run CONFIG --storage URL`"
+            f"no study named {name!r} in {shown} (studies there: {known});"
+            " check the name or --storage, or create it with `loader-search run CONFIG`"
         )
-    study = optuna.load_study(study_name=name, storage=storage)
-    if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
-        raise UserError(f"study {name!r} is not a loader-search study")
-    return study
+    study = optuna.load_study(study_name=name, storage=opened)
+    directions = [d.name.lower() for d in study.directions]
+    if directions != list(DIRECTIONS) or FINGERPRINT_ATTR not in study.user_attrs:
+        raise UserError(
+            f"study {name!r} was not created by loader-search (it needs its two objectives,"
+            " throughput and val_loss): pick one from `loader-search studies`"
+        )
+    if loss_tolerance is None:
+        loss_tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, StudyConfig().loss_tolerance))
+    return ExistingStudy(study, opened, shown, loss_tolerance, tuple(hardware_classes(study)))
