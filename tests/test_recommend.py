@@ -6,14 +6,8 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
 from loader_search.params import LoaderParams
-from loader_search.study._recommend import (
-    BASELINE_ATTR,
-    DIRECTIONS,
-    PARAMS_ATTR,
-    TrialPoint,
-    recommend,
-    summarize,
-)
+from loader_search.study._keys import BASELINE_ATTR, DIRECTIONS, PARAMS_ATTR
+from loader_search.study._recommend import TrialPoint, recommend, summarize
 
 
 def point(number: int, throughput: float, loss: float, baseline: bool = False) -> TrialPoint:

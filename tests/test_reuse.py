@@ -13,17 +13,17 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._plan import (
+from loader_search.study._keys import (
+    BASELINE_ATTR,
     CEILING_ATTR,
     CEILING_FROM,
+    CONFIRMATION_ATTR,
+    LOADER_EFFICIENCY_ATTR,
+    PARAMS_ATTR,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
 from loader_search.study._recommend import (
-    BASELINE_ATTR,
-    CONFIRMATION_ATTR,
-    LOADER_EFFICIENCY_ATTR,
-    PARAMS_ATTR,
     TrialPoint,
     confirmation_candidates,
     merge_repeats,
@@ -34,7 +34,7 @@ from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.study._worker import count_finished
 from loader_search.workloads import Workload
 
-TRAINING = TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64)
+TRAINING = TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64)
 CONFIG = StudyConfig(
     name="reuse",
     trials=6,

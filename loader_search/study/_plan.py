@@ -28,14 +28,16 @@ from dataclasses import dataclass
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
-from loader_search.study._recommend import HARDWARE_CLASS_ATTR, is_feasible, stored_params
+from loader_search.study._keys import (
+    CEILING_ATTR,
+    HARDWARE_CLASS_ATTR,
+    VAL_LOSS_ATTR,
+    stored_params,
+)
+from loader_search.study._recommend import is_feasible
 from loader_search.trial._run import short_run_samples
 
 # Trial user attributes (the measurements themselves are `TrialResult` fields).
-VAL_LOSS_ATTR = "val_loss"  # only evaluated trials store it
-VAL_LOSS_FROM = "val_loss_from"  # trial numbers whose median val_loss this trial reports
-CEILING_ATTR = "ceiling_samples_per_s"
-CEILING_FROM = "ceiling_from"
 
 
 @dataclass(frozen=True)

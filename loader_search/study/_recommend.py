@@ -18,34 +18,24 @@ point dominating it would be faster and also within the tolerance.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
-from typing import Any, Literal
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, dataloader_snippet
-
-THROUGHPUT = "throughput_samples_per_s"
-VAL_LOSS = "val_loss"
-METRIC_NAMES = (THROUGHPUT, VAL_LOSS)
-DIRECTIONS: tuple[Literal["maximize"], Literal["minimize"]] = ("maximize", "minimize")
-BASELINE_ATTR = "baseline"
-PARAMS_ATTR = "loader_params"
-# Trial attributes: the machine a trial ran on (a dict) and its short hardware-class key.
-HARDWARE_ATTR = "hardware"
-HARDWARE_CLASS_ATTR = "hardware_class"
-LOADER_EFFICIENCY_ATTR = (
-    "loader_efficiency"  # throughput / ceiling (see loader_search.study._plan)
+from loader_search.study._keys import (
+    BASELINE_ATTR,
+    CONFIRMATION_ATTR,
+    HARDWARE_CLASS_ATTR,
+    LOADER_EFFICIENCY_ATTR,
+    LR_ATTR,
+    PARAMS_ATTR,
+    stored_params,
 )
-# Study attributes.
-FINGERPRINT_ATTR = "fingerprint"
-BUDGET_ATTR = "trial_budget"
-TOLERANCE_ATTR = "loss_tolerance"
-CONFIRM_ATTR = "confirm"  # {"top": confirm_top, "repeats": confirm_repeats}, set by run/init
-# Trial attribute: a re-measurement of a candidate, queued after the budget was used.
-CONFIRMATION_ATTR = "confirmation"
 
 
 @dataclass(frozen=True)
@@ -152,7 +142,7 @@ def trial_point(trial: FrozenTrial) -> TrialPoint:
         throughput=trial.values[0],
         val_loss=trial.values[1],
         is_baseline=bool(trial.user_attrs.get(BASELINE_ATTR, False)),
-        lr=trial.user_attrs.get("lr"),
+        lr=trial.user_attrs.get(LR_ATTR),
         loader_efficiency=trial.user_attrs.get(LOADER_EFFICIENCY_ATTR),
     )
 
@@ -263,12 +253,6 @@ def confirmation_queue(
     ]
 
 
-def stored_params(trial: FrozenTrial) -> LoaderParams | None:
-    """The effective settings a trial stored (``loader_params``), or None before it did."""
-    stored = trial.user_attrs.get(PARAMS_ATTR)
-    return LoaderParams.from_dict(stored) if stored else None
-
-
 def _median_or_none(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return median(known) if known else None
@@ -338,3 +322,25 @@ def summarize_trials(
         n_infeasible=len(complete) - len(feasible),
         hardware_class=hardware_class,
     )
+
+
+def hypervolume_2d(points: Iterable[Sequence[float]], reference: Iterable[float]) -> float:
+    """The area that ``points`` dominate up to ``reference``, both objectives minimised: the
+    union of the rectangles ``[x, rx] x [y, ry]``. Exact, O(n log n); Optuna has no public
+    hypervolume function (``optuna._hypervolume`` is private).
+
+    Sorted by the first objective, a point adds area only below the lowest second objective
+    seen so far (a point that does not is dominated), and what it adds is the strip between
+    the two, as wide as from its first objective to the reference. As in Optuna, a point
+    beyond the reference (or NaN) is an error, not ignored.
+    """
+    rx, ry = (float(v) for v in reference)
+    pairs = [(float(x), float(y)) for x, y in points]
+    if not all(x <= rx and y <= ry for x, y in pairs):
+        raise ValueError(f"every point must be at or below the reference {(rx, ry)}: {pairs}")
+    area, lowest = 0.0, ry
+    for x, y in sorted(pairs):
+        if y < lowest:
+            area += (rx - x) * (lowest - y)
+            lowest = y
+    return area

@@ -22,25 +22,27 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._plan import CEILING_FROM, VAL_LOSS_FROM, Reuse
-from loader_search.study._recommend import (
+from loader_search.study._keys import (
+    CEILING_FROM,
+    CONSTRAINT,
+    FAILURE_HINT,
+    FAILURE_MESSAGE,
+    FAILURE_REASON,
+    FAILURE_TRACEBACK,
     HARDWARE_CLASS_ATTR,
+    INFERRED_FROM,
+    INFERRED_OOM,
     LOADER_EFFICIENCY_ATTR,
+    LOST,
+    OOM_REASONS,
+    VAL_LOSS_FROM,
     stored_params,
 )
+from loader_search.study._plan import Reuse
 from loader_search.team._storage import retrying
-from loader_search.trial._supervisor import HOST_OOM, INTERRUPTED, TrialFailure, TrialOutcome
+from loader_search.trial._failures import INTERRUPTED, TrialFailure, TrialOutcome
 
-FAILURE_REASON = "failure_reason"
-FAILURE_MESSAGE = "failure_message"
-FAILURE_HINT = "failure_hint"
-FAILURE_TRACEBACK = "failure_traceback"
-INFERRED_FROM = "inferred_from"  # the trial an inferred out-of-memory verdict comes from
-INFERRED_OOM = "inferred_oom"  # a failure_reason: not trained, see `known_failure`
-CONSTRAINT = "feasible"  # the constraint's name: > 0 means infeasible
 INFEASIBLE_VALUES = (0.0, math.inf)  # placeholder objective values of an infeasible trial
-OOM_REASONS = ("cuda_oom", HOST_OOM, INFERRED_OOM)
-LOST = "lost"  # a failure_reason shown, never stored: see `record`
 
 
 @dataclass(frozen=True)

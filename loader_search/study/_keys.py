@@ -1,0 +1,132 @@
+"""Every name loader-search stores with a study or a trial, defined once, with typed readers.
+
+A study lives in a database that outlives any one version of this code and that other tools
+read (`optuna`'s CLI, optuna-dashboard, a user's notebook), so these names are a file format:
+change one and older studies stop reading right. Every other module imports them from here
+(a test fails on a stray copy of a key's string anywhere else in the package).
+
+The measurements a trial stores are the fields of `loader_search.trial._run.TrialResult`
+(their names carry their units); the ones read back by name are listed here too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import optuna
+from optuna.trial import FrozenTrial
+
+from loader_search.params import LoaderParams
+from loader_search.trial._failures import CUDA_OOM, HOST_OOM
+
+# -- Objectives (Optuna's values, in this order; their names are the study's metric names) --
+THROUGHPUT = "throughput_samples_per_s"
+VAL_LOSS = "val_loss"
+METRIC_NAMES = (THROUGHPUT, VAL_LOSS)
+DIRECTIONS: tuple[Literal["maximize"], Literal["minimize"]] = ("maximize", "minimize")
+CONSTRAINT = "feasible"  # the name of `trial.set_constraint`'s value: > 0 means infeasible
+
+# -- Study user attributes --
+FINGERPRINT_ATTR = "fingerprint"  # what a continued study must share with its creator
+CONFIG_ATTR = "config"  # the validated config document, for workers
+BUDGET_ATTR = "trial_budget"  # the total trial budget, shared by every worker
+TOLERANCE_ATTR = "loss_tolerance"  # the recommendation's relative val_loss slack
+CONFIRM_ATTR = "confirm"  # {"top": confirm_top, "repeats": confirm_repeats}
+STUDY_HARDWARE_ATTR = "hardware_class"  # the hardware class of the study's first trial
+MIXED_HARDWARE_ATTR = "mixed_hardware"  # True once a trial of another class ran
+WORKLOAD_DESCRIPTION_ATTR = "workload_description"
+SAMPLER_ATTR = "sampler"  # the configured sampler's name
+PIPELINE_ATTR = "pipeline"  # the pipeline model and each batch size's limit (see _guide)
+# The software a study was created with (`run`/`init` store them), and the machine, which only
+# studies from before trials carried a hardware fingerprint have: the report shows what is there.
+TORCH_VERSION_ATTR = "torch_version"
+OPTUNA_VERSION_ATTR = "optuna_version"
+PYTHON_VERSION_ATTR = "python_version"
+VERSION_ATTR = "loader_search_version"
+ENVIRONMENT_ATTRS = (
+    "device",
+    "device_name",
+    "usable_cpus",
+    TORCH_VERSION_ATTR,
+    OPTUNA_VERSION_ATTR,
+    PYTHON_VERSION_ATTR,
+    VERSION_ATTR,
+)
+
+# -- Trial user attributes --
+PARAMS_ATTR = "loader_params"  # the full `LoaderParams` (Optuna's params omit fixed ones)
+BASELINE_ATTR = "baseline"  # the plain loader every speedup is measured against
+CONFIRMATION_ATTR = "confirmation"  # a re-measurement of a candidate, beyond the budget
+HARDWARE_ATTR = "hardware"  # the machine a trial ran on (a dict)
+HARDWARE_CLASS_ATTR = "hardware_class"  # its short class key
+LOADER_EFFICIENCY_ATTR = "loader_efficiency"  # throughput / ceiling
+LR_ATTR = "lr"  # the learning rate it trained with (scaled for its batch size)
+VAL_LOSS_ATTR = VAL_LOSS  # only trials that evaluated store it
+VAL_LOSS_FROM = "val_loss_from"  # stopped early: the trials whose median val_loss it reports
+CEILING_ATTR = "ceiling_samples_per_s"  # the same model fed pre-decoded data on the device
+CEILING_FROM = "ceiling_from"  # the trials whose ceiling reading it reuses
+DATA_WAIT = "data_wait_fraction"
+PEAK_RSS = "peak_host_rss_bytes"
+PEAK_GPU = "peak_gpu_bytes"
+TRAIN_TIME = "train_time_s"
+# Stage costs (`loader_search.trial._stages`), read by the pipeline model.
+PRODUCER_COST = "producer_cpu_s_per_sample"
+COLLATE_COST = "collate_cpu_s_per_batch"
+MAIN_COST = "main_cpu_s_per_batch"
+# The pipeline model (`loader_search.study._guide`): what it predicted for a trial before it
+# ran, how far off that was, and which round of model trials proposed it (none: the sampler).
+PREDICTED_ATTR = "predicted_samples_per_s"
+PREDICTED_BOTTLENECK_ATTR = "predicted_bottleneck"
+PREDICTION_ERROR_ATTR = "prediction_error"  # measured / predicted - 1
+MODEL_ROUND_ATTR = "model_round"
+FAILURE_REASON = "failure_reason"  # one of `loader_search.trial._failures`' reasons
+FAILURE_MESSAGE = "failure_message"
+FAILURE_HINT = "failure_hint"
+FAILURE_TRACEBACK = "failure_traceback"
+INFERRED_FROM = "inferred_from"  # the trial an inferred out-of-memory verdict comes from
+
+# -- Failure reasons the study layer adds to the trial layer's --
+INFERRED_OOM = "inferred_oom"  # not trained: settings that need more memory than a failed one
+LOST = "lost"  # shown, never stored: a result the database could not take in time
+MEASURED_OOM_REASONS = (CUDA_OOM, HOST_OOM)  # trials that really ran out of memory
+OOM_REASONS = (*MEASURED_OOM_REASONS, INFERRED_OOM)
+
+# -- Trial system attributes (Optuna's own names) --
+RETRY_HISTORY = "retry_history"  # set by Optuna on a trial retried after its worker died
+
+
+def number(attrs: dict[str, Any], key: str) -> float | None:
+    """A finite float stored under ``key``, else None (absent in older studies, or not a
+    number: the database is written by other hands too)."""
+    value = attrs.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def is_baseline(trial: FrozenTrial) -> bool:
+    return bool(trial.user_attrs.get(BASELINE_ATTR, False))
+
+
+def is_confirmation(trial: FrozenTrial) -> bool:
+    return bool(trial.user_attrs.get(CONFIRMATION_ATTR, False))
+
+
+def trial_hardware_class(trial: FrozenTrial) -> str | None:
+    value = trial.user_attrs.get(HARDWARE_CLASS_ATTR)
+    return value if isinstance(value, str) else None
+
+
+def stored_params(trial: FrozenTrial) -> LoaderParams | None:
+    """The effective settings a trial stored (``loader_params``), or None before it did."""
+    stored = trial.user_attrs.get(PARAMS_ATTR)
+    return LoaderParams.from_dict(stored) if stored else None
+
+
+def study_budget(study: optuna.Study, default: int) -> int:
+    return int(study.user_attrs.get(BUDGET_ATTR, default))
+
+
+def study_tolerance(study: optuna.Study, default: float) -> float:
+    return float(study.user_attrs.get(TOLERANCE_ATTR, default))
