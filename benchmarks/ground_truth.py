@@ -26,6 +26,7 @@ from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._space import IntRange
 from loader_search.team._locks import host_lock
+from loader_search.trial._job import TrialJob
 from loader_search.trial._run import short_run_samples
 from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads import Workload, load_workload
@@ -73,7 +74,7 @@ def quick_config(config: StudyConfig) -> StudyConfig:
     return replace(
         config,
         workload_options={**config.workload_options, "train_size": 512, "val_size": 128},
-        training=replace(config.training, train_samples=1024, base_batch_size=32),
+        training=replace(config.training, train_samples=1024, batch_size=32),
         space=replace(config.space, batch_sizes=(32, 64), prefetch_factor=IntRange(1, 2)),
     )
 
@@ -89,7 +90,7 @@ def measure(
     )
     with host_lock():
         outcome = run_isolated(
-            workload, params, config.training, "cpu", limits=config.limits, plan=plan
+            TrialJob(workload, params, config.training, "cpu", plan=plan), limits=config.limits
         )
     row: dict[str, Any] = {
         "config": key(params),

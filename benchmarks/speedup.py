@@ -27,10 +27,10 @@ from optuna.trial import TrialState
 from benchmarks.ground_truth import QUICKSTART, quick_config
 from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
-from loader_search.study._plan import VAL_LOSS_FROM
-from loader_search.study._recommend import CONFIRMATION_ATTR
+from loader_search.study._keys import CONFIRMATION_ATTR, VAL_LOSS_FROM
 from loader_search.study._session import run_study
 from loader_search.team._locks import host_lock
+from loader_search.trial._job import TrialJob
 from loader_search.trial._run import short_run_samples
 from loader_search.trial._supervisor import run_isolated
 from loader_search.trial._system import resolve_device, usable_cpus
@@ -82,16 +82,13 @@ def side_by_side(
         rng.shuffle(order)
         for params in order:
             with host_lock():
+                plan = RunPlan(
+                    short_samples=short_run_samples(params, config.training, train_size),
+                    measure_ceiling=True,
+                )
                 outcome = run_isolated(
-                    workload,
-                    params,
-                    config.training,
-                    device,
+                    TrialJob(workload, params, config.training, device, plan=plan),
                     limits=config.limits,
-                    plan=RunPlan(
-                        short_samples=short_run_samples(params, config.training, train_size),
-                        measure_ceiling=True,
-                    ),
                 )
             if outcome.result is None:
                 raise RuntimeError(f"{params.describe()} failed: {outcome.failure}")

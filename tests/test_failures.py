@@ -21,12 +21,11 @@ import torch
 from optuna.trial import TrialState
 from torch import nn
 
-from loader_search.params import TrainingSettings
+from loader_search.params import TrainingSettings, TrialLimits
 from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._record import INFERRED_FROM
+from loader_search.study._keys import INFERRED_FROM
 from loader_search.study._session import init_study, run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
-from loader_search.trial._supervisor import TrialLimits
 from loader_search.workloads import Workload
 from tests._datasets import TimedDataset, linear_model
 
@@ -35,7 +34,7 @@ CONFIG = StudyConfig(
     name="faults",
     trials=3,
     device="cpu",
-    training=TrainingSettings(train_samples=768, base_batch_size=16, eval_batch_size=64),
+    training=TrainingSettings(train_samples=768, batch_size=16, eval_batch_size=64),
     space=SearchSpace(
         batch_sizes=(16, 32, 64),
         num_workers=CpuRange(0, 1),
@@ -44,7 +43,7 @@ CONFIG = StudyConfig(
         torch_threads=1,
     ),
     sampler=SamplerConfig("random"),
-    limits=TrialLimits(timeout_s=5.0, memory_limit_bytes=768 * 2**20),
+    limits=TrialLimits(trial_timeout_s=5.0, memory_limit_gb=0.75),
 )
 GOOD = {"batch_size": 16, "num_workers": 0}
 FAULTY = {"batch_size": 32, "num_workers": 0}

@@ -14,16 +14,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import psutil
 import pytest
 
 from loader_search.errors import TrainingDiverged
-from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.trial._run import run_trial
-from loader_search.trial._supervisor import (
+from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
+from loader_search.trial._failures import (
     CRASHED,
     CUDA_OOM,
     DIVERGED,
@@ -33,21 +32,20 @@ from loader_search.trial._supervisor import (
     INTERRUPTED,
     TIMEOUT,
     WORKER_KILLED,
-    TrialLimits,
     TrialOutcome,
-    _run_in_process,
-    can_isolate,
     classify_exception,
     classify_exit,
-    run_isolated,
 )
+from loader_search.trial._job import TrialJob
+from loader_search.trial._run import run_trial
+from loader_search.trial._supervisor import NO_LIMITS, _run_in_process, can_isolate, run_isolated
 from loader_search.workloads import Workload
 from tests import _faults
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not can_isolate(), reason="trials are isolated on Linux only")
 
-SETTINGS = TrainingSettings(train_samples=256, base_batch_size=16, eval_batch_size=64)
+SETTINGS = TrainingSettings(train_samples=256, batch_size=16, eval_batch_size=64)
 NO_WORKERS = LoaderParams(16, torch_threads=1)
 ONE_WORKER = LoaderParams(16, num_workers=1, prefetch_factor=2, torch_threads=1)
 TWO_WORKERS = LoaderParams(16, num_workers=2, prefetch_factor=2, torch_threads=1)
@@ -72,8 +70,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _isolated(workload: Workload, params: LoaderParams, **kwargs: object) -> TrialOutcome:
-    outcome = run_isolated(workload, params, SETTINGS, "cpu", **kwargs)  # type: ignore[arg-type]
+def _isolated(
+    workload: Workload,
+    params: LoaderParams,
+    *,
+    limits: TrialLimits = NO_LIMITS,
+    cpus: Sequence[int] | None = None,
+) -> TrialOutcome:
+    outcome = run_isolated(TrialJob(workload, params, SETTINGS, "cpu", cpus=cpus), limits=limits)
     assert _descendants() == [], "the trial left processes running"
     assert outcome.isolated
     assert (outcome.result is None) != (outcome.failure is None)
@@ -81,9 +85,9 @@ def _isolated(workload: Workload, params: LoaderParams, **kwargs: object) -> Tri
 
 
 def test_isolation_changes_nothing_that_is_learned(tiny_workload: Workload) -> None:
-    settings = TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64)
+    settings = TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64)
     in_process = run_trial(tiny_workload, ONE_WORKER, settings)
-    outcome = run_isolated(tiny_workload, ONE_WORKER, settings)
+    outcome = run_isolated(TrialJob(tiny_workload, ONE_WORKER, settings))
     assert outcome.failure is None and outcome.result is not None
     assert outcome.result.val_loss == in_process.val_loss
     assert outcome.result.final_train_loss == in_process.final_train_loss
@@ -102,7 +106,7 @@ def test_threads_used_before_the_fork_do_not_hang_the_child(tiny_workload: Workl
     with open("/proc/self/maps") as maps:
         if "libgomp" not in maps.read():
             pytest.skip("this torch build does not use GNU OpenMP: nothing to show here")
-    outcome = _isolated(tiny_workload, params, limits=TrialLimits(timeout_s=20))
+    outcome = _isolated(tiny_workload, params, limits=TrialLimits(trial_timeout_s=20))
     assert outcome.failure is None
 
 
@@ -166,7 +170,9 @@ CASES = {
 def test_failures_are_classified(name: str) -> None:
     case = CASES[name]
     started = time.perf_counter()
-    outcome = _isolated(case.factory(), case.params, limits=TrialLimits(timeout_s=case.timeout_s))
+    outcome = _isolated(
+        case.factory(), case.params, limits=TrialLimits(trial_timeout_s=case.timeout_s)
+    )
     failure = outcome.failure
     assert failure is not None
     assert failure.reason == case.reason, failure
@@ -183,7 +189,7 @@ def test_memory_limit_kills_the_trial() -> None:
     # The limit sits well above what the child inherits from this process, whatever its size.
     limit = psutil.Process().memory_info().rss + 512 * 2**20
     outcome = _isolated(
-        _faults.memory_hog(), NO_WORKERS, limits=TrialLimits(memory_limit_bytes=limit)
+        _faults.memory_hog(), NO_WORKERS, limits=TrialLimits(memory_limit_gb=limit / 2**30)
     )
     failure = outcome.failure
     assert failure is not None and failure.reason == HOST_OOM and failure.infeasible
@@ -202,7 +208,7 @@ def test_a_timeout_kills_the_loader_workers_too() -> None:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        outcome = _isolated(_faults.hang(), TWO_WORKERS, limits=TrialLimits(timeout_s=3))
+        outcome = _isolated(_faults.hang(), TWO_WORKERS, limits=TrialLimits(trial_timeout_s=3))
     finally:
         done.set()
         watcher.join()
@@ -227,23 +233,24 @@ def test_the_trial_runs_on_the_given_cpus() -> None:
 
 def test_pinning_is_checked_before_forking() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        run_isolated(_faults.good(), NO_WORKERS, SETTINGS, "cpu", gpu=0)
+        run_isolated(TrialJob(_faults.good(), NO_WORKERS, SETTINGS, "cpu", gpu=0))
     with pytest.raises(ValueError, match="subset of the CPUs this process may use"):
-        run_isolated(_faults.good(), NO_WORKERS, SETTINGS, "cpu", cpus=[4096])
+        run_isolated(TrialJob(_faults.good(), NO_WORKERS, SETTINGS, "cpu", cpus=[4096]))
 
 
 INTERRUPT_SCRIPT = """
 import sys
 import psutil
-from loader_search.trial._supervisor import TrialLimits, run_isolated
-from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
+from loader_search.trial._job import TrialJob
+from loader_search.trial._supervisor import run_isolated
 from tests._faults import hang
 
-settings = TrainingSettings(train_samples=256, base_batch_size=16)
+settings = TrainingSettings(train_samples=256, batch_size=16)
 params = LoaderParams(16, num_workers=2, prefetch_factor=2, torch_threads=1)
 print("ready", flush=True)
 try:
-    run_isolated(hang(), params, settings, limits=TrialLimits(timeout_s=120))
+    run_isolated(TrialJob(hang(), params, settings), limits=TrialLimits(trial_timeout_s=120))
 except KeyboardInterrupt:
     print("interrupted; left running:", len(psutil.Process().children(recursive=True)))
     sys.exit(0)
@@ -280,10 +287,10 @@ def test_ctrl_c_kills_the_trial_and_is_raised() -> None:
 
 
 def test_without_fork_the_trial_runs_in_process_with_the_same_classification() -> None:
-    outcome = _run_in_process(_faults.cuda_oom(), NO_WORKERS, SETTINGS, "cpu")
+    outcome = _run_in_process(TrialJob(_faults.cuda_oom(), NO_WORKERS, SETTINGS, "cpu"))
     assert not outcome.isolated
     assert outcome.failure is not None and outcome.failure.reason == CUDA_OOM
-    good = _run_in_process(_faults.good(), NO_WORKERS, SETTINGS, "cpu")
+    good = _run_in_process(TrialJob(_faults.good(), NO_WORKERS, SETTINGS, "cpu"))
     assert good.result is not None and good.failure is None
 
 
@@ -322,11 +329,24 @@ def test_classification_of_exits() -> None:
     assert classify_exit(3).reason == CRASHED
 
 
+def test_reading_failure_reasons_imports_neither_torch_nor_psutil_nor_optuna() -> None:
+    """The study's keys import the reason names, and `best` and `report` must stay light."""
+    code = (
+        "import sys, loader_search.trial._failures\n"
+        "print([m for m in ('torch', 'psutil', 'optuna') if m in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
-        TrialLimits(timeout_s=0)
-    with pytest.raises(ValueError, match="memory_limit_bytes"):
-        TrialLimits(memory_limit_bytes=0)
+        TrialLimits(trial_timeout_s=0)
+    with pytest.raises(ValueError, match="memory_limit_gb"):
+        TrialLimits(memory_limit_gb=0)
 
 
 def test_the_parent_imports_once_what_every_trial_would_import() -> None:
@@ -335,12 +355,13 @@ def test_the_parent_imports_once_what_every_trial_would_import() -> None:
     test process has imported it long ago."""
     code = (
         "import sys\n"
+        "from loader_search.trial._job import TrialJob\n"
         "from loader_search.trial._supervisor import run_isolated\n"
         "from loader_search.params import LoaderParams, TrainingSettings\n"
         "from tests._faults import good\n"
         "assert 'torch._dynamo' not in sys.modules\n"
-        "outcome = run_isolated(good(), LoaderParams(batch_size=16, torch_threads=1),"
-        " TrainingSettings(train_samples=256))\n"
+        "outcome = run_isolated(TrialJob(good(), LoaderParams(batch_size=16, torch_threads=1),"
+        " TrainingSettings(train_samples=256)))\n"
         "assert outcome.failure is None, outcome.failure\n"
         "print('torch._dynamo' in sys.modules)\n"
     )

@@ -15,7 +15,7 @@ from loader_search.trial._run import (
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload
 
-SETTINGS = TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64)
+SETTINGS = TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64)
 
 
 def test_real_training_run_is_measured(tiny_workload: Workload) -> None:
@@ -78,13 +78,13 @@ def test_lr_scaling() -> None:
 
 
 def test_divergence_is_reported() -> None:
-    settings = TrainingSettings(train_samples=512, base_batch_size=16, lr=1e30)
+    settings = TrainingSettings(train_samples=512, batch_size=16, lr=1e30)
     with pytest.raises(TrainingDiverged, match="lower the learning rate"):
         run_trial(timed_workload(), LoaderParams(16, torch_threads=1), settings)
 
 
 def test_budget_too_small_to_measure(tiny_workload: Workload) -> None:
-    settings = TrainingSettings(train_samples=64, base_batch_size=16)
+    settings = TrainingSettings(train_samples=64, batch_size=16)
     with pytest.raises(ValueError, match="raise train_samples"):
         run_trial(tiny_workload, LoaderParams(16, 2, 4, torch_threads=1), settings)
 
@@ -130,11 +130,11 @@ def test_stopping_early_skips_the_rest_and_the_evaluation(tiny_workload: Workloa
 
 def test_a_short_run_is_never_too_short_to_measure() -> None:
     params = LoaderParams(32, num_workers=2, prefetch_factor=4, torch_threads=1)
-    settings = TrainingSettings(train_samples=8192, base_batch_size=32)
+    settings = TrainingSettings(train_samples=8192, batch_size=32)
     # No epoch boundary (a huge data set): half the budget...
     assert short_run_samples(params, settings, None) == 4096
     # ... but never fewer than the warm-up (2 x 4 + 2) plus 8 measured batches.
-    tiny_budget = TrainingSettings(train_samples=18 * 32, base_batch_size=32)
+    tiny_budget = TrainingSettings(train_samples=18 * 32, batch_size=32)
     assert short_run_samples(params, tiny_budget, None) == 18 * 32
     with pytest.raises(ValueError, match="stop_early needs short_samples"):
         RunPlan(stop_early=True)

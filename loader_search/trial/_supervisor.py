@@ -4,7 +4,7 @@ Why a child per trial: GPU memory is truly released when the process ends (the C
 allocator never hands it back otherwise), peak memory is measured from a clean slate, a loader
 worker that leaks or hangs dies with its trial, and a crash, an out-of-memory kill or a hang
 costs one trial instead of the study. Every way a trial can end is classified as a
-`TrialFailure` (see `classify_exception` and the reason constants) and the study goes on.
+`TrialFailure` (see `loader_search.trial._failures`) and the study goes on.
 
 How: the child is *forked*, so the workload the parent already built (datasets, model factory)
 is inherited at no cost and torch is not imported again. Forking a process that runs PyTorch
@@ -29,159 +29,53 @@ also asks the kernel to kill it should the parent die (``PR_SET_PDEATHSIG``).
 Where fork is not available (not Linux) trials run in-process, classified the same way, but
 without the timeout, the memory limit, CPU pinning or GPU pinning.
 
-This module imports neither Optuna nor (at import time) torch: the config parser uses
-`TrialLimits` without loading torch.
+This module imports neither Optuna nor (at import time) torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
+import dataclasses
 import multiprocessing
 import os
 import signal
 import sys
 import time
-import traceback
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from loader_search import interrupts
-from loader_search.params import FULL_RUN, RunPlan
+from loader_search.params import TrialLimits
+from loader_search.trial._failures import (
+    HOST_OOM,
+    TIMEOUT,
+    TrialFailure,
+    TrialOutcome,
+    classify_exception,
+    classify_exit,
+    failure_for,
+)
+from loader_search.trial._job import TrialJob
+
+NO_LIMITS = TrialLimits()  # the defaults: a 600 s progress timeout, no memory limit
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.context import ForkProcess
 
-    import torch
-
-    from loader_search.params import LoaderParams, TrainingSettings
-    from loader_search.trial._run import TrialResult
     from loader_search.workloads import Workload
 
 # Read by torch.cuda.is_available() at call time: ask NVML, leave the CUDA driver untouched.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-# Failure reasons (`TrialFailure.reason`).
-CUDA_OOM = "cuda_oom"
-HOST_OOM = "host_oom"
-WORKER_KILLED = "worker_killed"
-TIMEOUT = "timeout"
-EXCEPTION = "exception"
-DIVERGED = "diverged"
-CRASHED = "crashed"
-INTERRUPTED = "interrupted"
-
-# Deterministic for a setting on given hardware: running it again would fail again, so the
-# search should learn to avoid it (Optuna constraint) rather than merely skip it.
-INFEASIBLE_REASONS = frozenset({CUDA_OOM, HOST_OOM, DIVERGED})
-
-SHM_HINT = (
-    "loader workers pass batches through /dev/shm, which is probably too small: raise it"
-    " (docker run --shm-size=2g, compose shm_size: 2g) or lower num_workers x prefetch_factor"
-    " x batch_size"
-)
-HINTS = {
-    CUDA_OOM: "this batch does not fit in GPU memory here: smaller batch sizes fit",
-    HOST_OOM: (
-        "the trial ran out of host memory: fewer num_workers, a smaller prefetch_factor or"
-        " batch_size fit; or raise [limits] memory_limit_gb / the container's memory"
-    ),
-    WORKER_KILLED: (
-        "a DataLoader worker died: run the workload with num_workers=0 to see the error"
-        " directly; a bus error means /dev/shm is too small (docker run --shm-size=2g)"
-    ),
-    TIMEOUT: (
-        "the training made no progress: look for a deadlock or a blocking read in the"
-        " dataset; raise [limits] trial_timeout_s if single steps really take this long"
-    ),
-    EXCEPTION: "the workload's code raised: fix it (the traceback is stored with the trial)",
-    DIVERGED: "the loss became non-finite: lower training.lr or use lr_scaling = 'sqrt'",
-    CRASHED: (
-        "the training process crashed in native code (an extension, a driver): run the"
-        " workload alone with num_workers=0 to reproduce"
-    ),
-    INTERRUPTED: "interrupted: run the study again to continue it",
-}
-
-TRACEBACK_LINES = 15  # the tail of a traceback kept with a failure
-MESSAGE_CHARS = 500
 PROGRESS_INTERVAL_S = 0.5  # the child reports progress at most this often
 MEMORY_POLL_S = 0.5  # reading PSS costs ~4 ms per process: not more often than this
 _POLL_S = 0.1  # the parent's wake-up interval while nothing arrives
-
-
 _EXIT_GRACE_S = 10.0  # a child that sent its result gets this long to exit by itself
-
-
-@dataclass(frozen=True)
-class TrialLimits:
-    """When the parent kills a trial.
-
-    ``timeout_s``: no training progress (no training step, no evaluation batch) for this long
-    → the trial is killed, reason ``timeout``. ``memory_limit_bytes``: the proportional set
-    size (PSS) of the child and all its descendants (loader workers) above this → killed,
-    reason ``host_oom`` (infeasible). PSS, not RSS: a forked child and each of its workers
-    map the parent's pages, and summing RSS would count them once per process.
-    """
-
-    timeout_s: float = 600.0
-    memory_limit_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s}")
-        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
-            raise ValueError(f"memory_limit_bytes must be positive, got {self.memory_limit_bytes}")
-
-
-@dataclass(frozen=True)
-class TrialFailure:
-    """Why a trial did not produce a result.
-
-    ``reason`` is one of the module's reason constants; ``message`` one line naming what
-    happened; ``hint`` one actionable line; ``traceback`` the last lines of the Python
-    traceback ("" when there is none, e.g. the process was killed); ``infeasible`` whether the
-    setting cannot work on this hardware (see `INFEASIBLE_REASONS`).
-    """
-
-    reason: str
-    message: str
-    hint: str
-    traceback: str = ""
-    infeasible: bool = False
-
-
-@dataclass(frozen=True)
-class TrialOutcome:
-    """What one isolated trial gave: exactly one of ``result`` and ``failure`` is set.
-
-    Overhead of isolation, all measured by the parent's monotonic clock (shared with the child
-    on Linux): ``startup_s`` from the fork until the child was ready to train; ``transfer_s``
-    from the child sending its result (or failure) until the parent had it; ``teardown_s``
-    from then until the child and its leftovers were reaped. ``wall_s`` is the whole call.
-    ``isolated`` is False where the trial ran in-process (no fork on this platform).
-    """
-
-    result: TrialResult | None
-    failure: TrialFailure | None
-    wall_s: float
-    startup_s: float
-    transfer_s: float = 0.0
-    teardown_s: float = 0.0
-    isolated: bool = True
-    exitcode: int | None = None
-
-    @property
-    def overhead_s(self) -> float:
-        """Time isolation added to the trial."""
-        return self.startup_s + self.transfer_s + self.teardown_s
 
 
 def can_isolate() -> bool:
@@ -190,122 +84,19 @@ def can_isolate() -> bool:
     return sys.platform.startswith("linux") and ("fork" in multiprocessing.get_all_start_methods())
 
 
-def failure_for(
-    reason: str, message: str, trace: str = "", hint: str | None = None
-) -> TrialFailure:
-    """A `TrialFailure` with the reason's standard hint and infeasibility."""
-    return TrialFailure(
-        reason=reason,
-        message=_one_line(message),
-        hint=hint if hint is not None else HINTS[reason],
-        traceback=trace,
-        infeasible=reason in INFEASIBLE_REASONS,
-    )
+def run_isolated(job: TrialJob, *, limits: TrialLimits = NO_LIMITS) -> TrialOutcome:
+    """Run `loader_search.trial._run.run_trial` for ``job`` (with its ``plan``) in a forked
+    child process and classify its end.
 
-
-# Text of errors whose type says nothing (RuntimeError), as PyTorch words them.
-_CUDA_OOM_TEXT = (
-    "CUDA out of memory",
-    "CUDA error: out of memory",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED",
-)
-_HOST_OOM_TEXT = ("DefaultCPUAllocator: can't allocate memory",)
-_SHM_TEXT = (
-    "bus error",  # "is killed by signal: Bus error", "Unexpected bus error"
-    "shared memory",
-    "unable to write to file </torch_",
-    "unable to open shared memory",
-    "unable to mmap",
-)
-
-
-def classify_exception(exc: BaseException) -> TrialFailure:
-    """The failure an exception raised by a trial stands for.
-
-    ``torch.OutOfMemoryError`` or CUDA's out-of-memory texts → ``cuda_oom``; ``MemoryError``
-    or the CPU allocator's text → ``host_oom``; a DataLoader worker killed by SIGKILL (what the
-    kernel's OOM killer sends) → ``host_oom``; by another signal, or shared-memory errors →
-    ``worker_killed``; `TrainingDiverged` → ``diverged``; ``KeyboardInterrupt`` →
-    ``interrupted``; anything else → ``exception``. The exception's cause and context chain is
-    searched too (user code may wrap an out-of-memory error).
-    """
-    from loader_search.errors import TrainingDiverged
-
-    trace = _traceback_tail(exc)
-    chain = list(_chain(exc))
-    # "DataLoader worker (pid(s) N) exited unexpectedly" hides the signal in its cause.
-    signalled = [e for e in chain if "killed by signal" in str(e)]
-    message = _summary(signalled[0] if signalled else exc)
-    texts = " | ".join(str(e) for e in chain)
-    lowered = texts.lower()
-    if isinstance(exc, KeyboardInterrupt):
-        return failure_for(INTERRUPTED, "interrupted by the user (Ctrl-C)", trace)
-    if any(_is_device_oom(e) for e in chain) or any(t in texts for t in _CUDA_OOM_TEXT):
-        return failure_for(CUDA_OOM, message, trace)
-    if any(isinstance(e, MemoryError) for e in chain) or any(t in texts for t in _HOST_OOM_TEXT):
-        return failure_for(HOST_OOM, message, trace)
-    if "is killed by signal: Killed" in texts:
-        return failure_for(
-            HOST_OOM,
-            f"{message} (SIGKILL: most likely the kernel's out-of-memory killer)",
-            trace,
-        )
-    if any(t in lowered for t in _SHM_TEXT):
-        return failure_for(WORKER_KILLED, message, trace, hint=SHM_HINT)
-    if "DataLoader worker" in texts and (
-        "killed by signal" in texts or "exited unexpectedly" in texts
-    ):
-        return failure_for(WORKER_KILLED, message, trace)
-    if any(isinstance(e, TrainingDiverged) for e in chain):
-        return failure_for(DIVERGED, message, trace)
-    return failure_for(EXCEPTION, message, trace)
-
-
-def classify_exit(exitcode: int | None) -> TrialFailure:
-    """The failure of a child that ended without sending anything, and that the parent did not
-    kill. A SIGKILL is then the kernel's out-of-memory killer (nothing else sends SIGKILL to a
-    trial); another signal is a crash in native code; an exit code means the code called
-    ``os._exit``.
-    """
-    if exitcode is not None and exitcode < 0:
-        number = -exitcode
-        name = _signal_name(number)
-        if number == signal.SIGKILL:
-            return failure_for(
-                HOST_OOM,
-                "the training process was killed by SIGKILL, not by loader-search: most"
-                " likely the kernel's out-of-memory killer",
-            )
-        if number == signal.SIGINT:
-            return failure_for(INTERRUPTED, "the training process was interrupted (SIGINT)")
-        return failure_for(CRASHED, f"the training process died of signal {number} ({name})")
-    return failure_for(
-        CRASHED, f"the training process exited with code {exitcode} without a result"
-    )
-
-
-def run_isolated(
-    workload: Workload,
-    params: LoaderParams,
-    settings: TrainingSettings,
-    device: torch.device | str = "cpu",
-    *,
-    limits: TrialLimits = TrialLimits(),
-    cpus: Sequence[int] | None = None,
-    gpu: int | None = None,
-    plan: RunPlan = FULL_RUN,
-) -> TrialOutcome:
-    """Run `loader_search.trial._run.run_trial` (with ``plan``) in a forked child process and
-    classify its end.
-
-    ``cpus`` pins the child (and so its loader workers) to those CPUs; ``gpu`` makes only
-    that GPU visible to the child (``CUDA_VISIBLE_DEVICES``), which then trains on
-    ``cuda:0``; ``gpu`` needs a CUDA ``device``. Both are set in the child before any CUDA use.
+    ``job.cpus`` pins the child (and so its loader workers) to those CPUs; ``job.gpu`` makes
+    only that GPU visible to the child (``CUDA_VISIBLE_DEVICES``), which then trains on
+    ``cuda:0``; ``gpu`` needs a CUDA ``device``. Both are set in the child before any CUDA use,
+    and checked here before anything is forked (``ValueError``).
 
     Returns a `TrialOutcome` for every way the trial can end, including a crash, a kill by the
-    out-of-memory killer, ``limits.timeout_s`` without progress and ``limits.memory_limit_bytes``
-    exceeded. The parent is unaffected and can run the next trial at once.
+    out-of-memory killer, ``limits.trial_timeout_s`` without progress and
+    ``limits.memory_limit_bytes`` exceeded. The parent is unaffected and can run the next
+    trial at once.
 
     Ctrl-C: a ``KeyboardInterrupt`` in the parent while it waits kills the child's whole
     process tree, reaps it, and is re-raised: nothing of the trial is left running, and the
@@ -315,9 +106,22 @@ def run_isolated(
     Where fork is unavailable (`can_isolate` is False), the trial runs in this process with the
     same classification but without limits or pinning (``isolated=False`` in the outcome).
     """
-    device_text = str(device)
-    if gpu is not None and not device_text.startswith("cuda"):
-        raise ValueError(f"gpu={gpu} needs a CUDA device, got {device_text!r}")
+    job = _checked(job)
+    if not can_isolate():
+        if job.gpu is not None:
+            job = dataclasses.replace(job, device=f"cuda:{job.gpu}")
+        return _run_in_process(job)
+    _refuse_if_cuda_initialised()
+    _warm_up(job.workload)
+    return _Supervisor(limits).run(job)
+
+
+def _checked(job: TrialJob) -> TrialJob:
+    """``job`` with its device as text and its CPUs sorted, once its pinning is possible."""
+    device = str(job.device)
+    if job.gpu is not None and not device.startswith("cuda"):
+        raise ValueError(f"gpu={job.gpu} needs a CUDA device, got {device!r}")
+    cpus = job.cpus
     if cpus is not None:
         cpus = sorted(set(cpus))
         allowed = _allowed_cpus()
@@ -326,13 +130,7 @@ def run_isolated(
                 f"cpus {cpus}: must be a non-empty subset of the CPUs this process may use,"
                 f" {sorted(allowed)}"
             )
-    if not can_isolate():
-        if gpu is not None:
-            device_text = f"cuda:{gpu}"
-        return _run_in_process(workload, params, settings, device_text, plan)
-    _refuse_if_cuda_initialised()
-    _warm_up(workload)
-    return _Supervisor(limits).run(workload, params, settings, device_text, cpus, gpu, plan)
+    return dataclasses.replace(job, device=device, cpus=cpus)
 
 
 _WARM: dict[int, Workload] = {}  # holds each workload, so that its id() is never reused
@@ -363,18 +161,12 @@ def _allowed_cpus() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def _run_in_process(
-    workload: Workload,
-    params: LoaderParams,
-    settings: TrainingSettings,
-    device: str,
-    plan: RunPlan = FULL_RUN,
-) -> TrialOutcome:
+def _run_in_process(job: TrialJob) -> TrialOutcome:
     from loader_search.trial._run import run_trial
 
     started = time.perf_counter()
     try:
-        result = run_trial(workload, params, settings, device, plan=plan)
+        result = run_trial(job.workload, job.params, job.settings, job.device, plan=job.plan)
     except Exception as exc:  # KeyboardInterrupt propagates, as with isolation
         return TrialOutcome(
             None, classify_exception(exc), time.perf_counter() - started, 0.0, isolated=False
@@ -401,16 +193,7 @@ class _Supervisor:
         self.kill_message = ""
         self.reaped = False
 
-    def run(
-        self,
-        workload: Workload,
-        params: LoaderParams,
-        settings: TrainingSettings,
-        device: str,
-        cpus: Sequence[int] | None,
-        gpu: int | None,
-        plan: RunPlan,
-    ) -> TrialOutcome:
+    def run(self, job: TrialJob) -> TrialOutcome:
         # Imported here, once: every child inherits the module instead of importing it.
         import loader_search.trial._run  # noqa: F401
 
@@ -418,7 +201,7 @@ class _Supervisor:
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(
             target=_child_main,
-            args=(writer, os.getpid(), workload, params, settings, device, cpus, gpu, plan),
+            args=(writer, os.getpid(), job),
             name="loader-search-trial",
         )
         _release_openmp_threads()
@@ -426,11 +209,11 @@ class _Supervisor:
         try:
             with warnings.catch_warnings():
                 # Python 3.12+ warns about fork in a multi-threaded process. The child only
-                # trains: it never touches the database (whose pool locks the heartbeat and
-                # sweeper threads take), CPython re-creates its import and logging locks in
-                # the child, and OpenMP's threads were released above. A lock held by a
-                # parent thread that the training still needs (a print racing the
-                # reporter's, say) would end in the trial's timeout, not a hang.
+                # trains: it never touches the database (whose pool locks the study layer's
+                # database heartbeat and sweeper threads take), CPython re-creates its import
+                # and logging locks in the child, and OpenMP's threads were released above. A
+                # lock held by a parent thread that the training still needs (a print racing
+                # the reporter's, say) would end in the trial's timeout, not a hang.
                 warnings.filterwarnings("ignore", ".*fork.*", DeprecationWarning)
                 process.start()
             # Also set from here: the group must exist before any kill, whoever runs first.
@@ -474,11 +257,11 @@ class _Supervisor:
                 continue
             if process.sentinel in ready:
                 break
-            if now - last_progress > limits.timeout_s:
+            if now - last_progress > limits.trial_timeout_s:
                 self._kill(
                     process,
                     TIMEOUT,
-                    f"no training progress for {limits.timeout_s:g} s; the trial was killed",
+                    f"no training progress for {limits.trial_timeout_s:g} s; the trial was killed",
                 )
                 break
             if limits.memory_limit_bytes is not None and now >= next_memory_check:
@@ -542,33 +325,29 @@ class _Supervisor:
             _kill_tree(process)
 
 
-def _child_main(
-    conn: Connection,
-    parent_pid: int,
-    workload: Workload,
-    params: LoaderParams,
-    settings: TrainingSettings,
-    device: str,
-    cpus: Sequence[int] | None,
-    gpu: int | None,
-    plan: RunPlan,
-) -> None:
+def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
     """The child: pin, announce, train, send the result or the classified failure."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: terminal Ctrl-C reaches the parent only
     _die_with_parent(parent_pid)
     message: tuple[Any, ...]
     try:
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)  # before torch starts threads: they inherit it
-        if gpu is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # read when CUDA initialises
+        device = job.device
+        if job.cpus is not None:
+            os.sched_setaffinity(0, job.cpus)  # before torch starts threads: they inherit it
+        if job.gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(job.gpu)  # read when CUDA initialises
             device = "cuda:0"
         conn.send(("ready",))
         from loader_search.trial._run import run_trial
 
         result = run_trial(
-            workload, params, settings, device, progress=_Heartbeat(conn), plan=plan
+            job.workload,
+            job.params,
+            job.settings,
+            device,
+            progress=_ProgressPing(conn),
+            plan=job.plan,
         )
         message = ("result", result, time.perf_counter())
     except BaseException as exc:  # everything is reported; the process ends right after
@@ -577,9 +356,10 @@ def _child_main(
     conn.close()
 
 
-class _Heartbeat:
-    """``progress`` for `run_trial` in the child: a message at most every interval, so a
-    fast training loop does not flood the pipe."""
+class _ProgressPing:
+    """``progress`` for `run_trial` in the child: a "progress" message to the parent at most
+    every interval (what its trial timeout watches), so a fast training loop does not flood
+    the pipe."""
 
     def __init__(self, conn: Connection, interval_s: float = PROGRESS_INTERVAL_S) -> None:
         self.conn = conn
@@ -667,56 +447,6 @@ def _tree_pss(pid: int) -> int:
         except psutil.Error:  # exited between listing and reading
             continue
     return total
-
-
-def _chain(exc: BaseException) -> Sequence[BaseException]:
-    seen: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and all(current is not e for e in seen) and len(seen) < 10:
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
-
-
-def _is_device_oom(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    # torch.OutOfMemoryError since torch 2.5; torch.cuda's name (an alias today) before.
-    types = (
-        getattr(torch, "OutOfMemoryError", None),
-        getattr(torch.cuda, "OutOfMemoryError", None),
-    )
-    return any(t is not None and isinstance(exc, t) for t in types)
-
-
-def _summary(exc: BaseException) -> str:
-    """``Type: first line``; for an error re-raised from a DataLoader worker ("Caught X in
-    DataLoader worker process N. Original Traceback ...") the original last line instead."""
-    text = str(exc).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if lines and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
-        where = lines[0].split(" in ", 1)[1].rstrip(".")
-        return f"{lines[-1]} (in {where})"
-    first = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
-def _traceback_tail(exc: BaseException) -> str:
-    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
-    return "\n".join(lines[-TRACEBACK_LINES:])
-
-
-def _one_line(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 3] + "..."
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "unknown signal"
 
 
 def _gib(n: int) -> str:
