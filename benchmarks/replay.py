@@ -2,8 +2,9 @@
 
 Every trial of a replayed study goes through the service's own code: its sampler
 (`loader_search.study._session.make_sampler`), its search space (`ResolvedSpace.suggest`), the
-baseline first, its early stop (`loader_search.study._plan.plan_trial`), its re-measurement of
-candidates (`confirmation_queue`) and its recommendation rule (`summarize_trials`). Only the
+baseline first, its early stop (`loader_search.study._plan.plan_trial`), the worker's budget
+decision (`loader_search.study._budget.decide`: the next trial, the baseline, re-measurement of
+the candidates) and its recommendation rule (`summarize_trials`). Only the
 training is replaced: a trial is answered with one of the table's real repeats of its
 configuration, drawn at random, so the replay sees the measurement noise a study sees: its
 throughput over the study's window (warm-up to the early-stop mark, as every trial is scored)
@@ -11,9 +12,9 @@ and its validation loss. A trial that stops early reports the study's known vali
 its batch size and costs what the shortened run cost. The first trial of each batch size and
 thread count also measures the ceiling, as in the service, and pays what a ceiling reading
 costs; later trials of that pair reuse it. Once the budget is used, the candidates are re-
-measured as the service does (`confirmation_queue`, round-robin, at most ``2 *
-CONFIRM_REPEATS`` re-measurements per setting, until nothing is missing). The study itself is a
-real Optuna study in memory.
+measured as the worker decides (`decide`, which queues what `confirmation_queue` finds missing:
+round-robin, at most ``2 * CONFIRM_REPEATS`` re-measurements per setting, until nothing is
+missing). The study itself is a real Optuna study in memory.
 
 Quality is judged against the table's medians (the truth):
 
@@ -39,22 +40,34 @@ from typing import Any
 
 import numpy as np
 import optuna
-from optuna._hypervolume import compute_hypervolume
 from optuna.trial import FrozenTrial
 
 from benchmarks.ground_truth import Entry, Space
 from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.study._budget import (
+    FINISHED_STATES,
+    Confirm,
+    ConfirmSettings,
+    Done,
+    Take,
+    Wait,
+    confirmations,
+    count_used,
+    decide,
+)
 from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._plan import CEILING_ATTR, VAL_LOSS_ATTR, VAL_LOSS_FROM, plan_trial
-from loader_search.study._recommend import (
+from loader_search.study._keys import (
     BASELINE_ATTR,
+    CEILING_ATTR,
     CONFIRMATION_ATTR,
     DIRECTIONS,
     PARAMS_ATTR,
-    confirmation_queue,
+    VAL_LOSS_ATTR,
+    VAL_LOSS_FROM,
     stored_params,
-    summarize_trials,
 )
+from loader_search.study._plan import plan_trial
+from loader_search.study._recommend import hypervolume_2d, summarize_trials
 from loader_search.study._session import make_sampler
 from loader_search.study._space import IntRange, ResolvedSpace
 
@@ -103,9 +116,8 @@ class Truth:
     def hypervolume(self, configs: Sequence[LoaderParams]) -> float:
         if not configs:
             return 0.0
-        points = np.array([[-t, v] for t, v in map(self.normalised, set(configs))])
-        reference = np.array([-HV_REFERENCE[0], HV_REFERENCE[1]])
-        return float(compute_hypervolume(points, reference))
+        points = [(-t, v) for t, v in map(self.normalised, set(configs))]
+        return hypervolume_2d(points, (-HV_REFERENCE[0], HV_REFERENCE[1]))
 
     def hv_gap(self, configs: Sequence[LoaderParams]) -> float:
         return 1.0 - self.hypervolume(configs) / self.true_hv
@@ -201,6 +213,12 @@ class _Replay:
         else:
             sampler = variant.sampler(seed)
         self.study = optuna.create_study(directions=list(DIRECTIONS), sampler=sampler)
+        # The worker's budget decision takes these (see `run`).
+        self.confirm = ConfirmSettings(
+            CONFIRM_TOP if variant.confirm else 0, CONFIRM_REPEATS, LOSS_TOLERANCE
+        )
+        grid = isinstance(variant.sampler, SamplerConfig) and variant.sampler.name == "grid"
+        self.grid_size = self.space.size() if grid else None
         self.cost = 0.0
         self.train_size: int | None = None
 
@@ -239,25 +257,36 @@ class _Replay:
         self.study.tell(trial, [throughput, val_loss])
 
     def run(self, budget: int) -> list[FrozenTrial]:
-        self.study.enqueue_trial(self.space.baseline(self.training.base_batch_size))
-        self.trial(baseline=True)
-        for _ in range(budget - 1):
-            self.trial()
-        if self.variant.confirm:
-            while queued := self.queue_confirmations():
-                for _ in range(queued):
-                    self.trial()
-        return self._trials()
+        """Run ``budget`` more trials (the baseline first, unless the study has one), then
+        the re-measurements: each step as the worker takes it
+        (`loader_search.study._budget.decide`, one trial at a time)."""
+        total = budget + count_used(self._trials(), FINISHED_STATES)
+        while True:
+            decision = decide(self._trials(), total, self.confirm, grid_size=self.grid_size)
+            if isinstance(decision, Done):
+                return self._trials()
+            if isinstance(decision, Wait):
+                raise AssertionError(f"{decision.running} replayed trial(s) left running")
+            if isinstance(decision, Confirm):
+                self._enqueue_confirmations(decision.queue)
+            elif decision.baseline:
+                self.study.enqueue_trial(
+                    self.space.baseline(self.training.batch_size), user_attrs={BASELINE_ATTR: True}
+                )
+            self.trial(baseline=isinstance(decision, Take) and decision.baseline)
 
     def queue_confirmations(self) -> int:
-        """Queue what `loader_search.study._recommend.confirmation_queue` says, as the worker does
-        (`loader_search.study._worker.queue_confirmations`). Returns how many were queued."""
-        queue = confirmation_queue(self._trials(), LOSS_TOLERANCE, CONFIRM_TOP, CONFIRM_REPEATS)
+        """Queue the re-measurements the worker would queue now
+        (`loader_search.study._budget.confirmations`). Returns how many were queued."""
+        queue = confirmations(self._trials(), self.confirm)
+        self._enqueue_confirmations(queue)
+        return len(queue)
+
+    def _enqueue_confirmations(self, queue: Sequence[dict[str, Any]]) -> None:
         for params in queue:
             self.study.enqueue_trial(
                 params, user_attrs={CONFIRMATION_ATTR: True}, skip_if_exists=False
             )
-        return len(queue)
 
     def _trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)

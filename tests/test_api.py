@@ -8,14 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from loader_search import (
-    CpuRange,
-    SearchSpace,
-    StudyConfig,
-    TrainingSettings,
-    Workload,
-    run_study,
-)
+from loader_search import CpuRange, SearchSpace, StudyConfig, TrainingSettings, Workload, run_study
 from loader_search.errors import UserError
 
 
@@ -37,7 +30,7 @@ CONFIG = StudyConfig(
     name="notebook",
     trials=3,
     device="cpu",
-    training=TrainingSettings(train_samples=640, base_batch_size=16),
+    training=TrainingSettings(train_samples=640, batch_size=16),
     space=SearchSpace(batch_sizes=(16, 32), num_workers=CpuRange(0, 1), torch_threads=1),
 )
 
@@ -58,7 +51,7 @@ def test_continuing_with_other_settings_is_refused(sqlite_url: str) -> None:
         name="notebook",
         trials=4,
         device="cpu",
-        training=TrainingSettings(train_samples=1280, base_batch_size=16),
+        training=TrainingSettings(train_samples=1280, batch_size=16),
         space=CONFIG.space,
     )
     with pytest.raises(UserError, match="different settings \\(training\\)"):
@@ -68,4 +61,4 @@ def test_continuing_with_other_settings_is_refused(sqlite_url: str) -> None:
 
 def test_inconsistent_config_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="baseline batch size 48"):
-        StudyConfig(training=TrainingSettings(base_batch_size=48))
+        StudyConfig(training=TrainingSettings(batch_size=48))

@@ -37,17 +37,12 @@ from benchmarks.replay import (
 )
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import SamplerConfig
-from loader_search.study._plan import CEILING_ATTR, VAL_LOSS_FROM
-from loader_search.study._recommend import (
-    CONFIRMATION_ATTR,
-    PARAMS_ATTR,
-    confirmation_candidates,
-    summarize_trials,
-)
+from loader_search.study._keys import CEILING_ATTR, CONFIRMATION_ATTR, PARAMS_ATTR, VAL_LOSS_FROM
+from loader_search.study._recommend import confirmation_candidates, summarize_trials
 
 # QUICK_SPACE.configs(): batch 32 and 64, each without workers and with one worker.
 B32_W0, B32_W1, B64_W0, B64_W1 = QUICK_SPACE.configs()
-TRAINING = TrainingSettings(train_samples=1024, base_batch_size=32)
+TRAINING = TrainingSettings(train_samples=1024, batch_size=32)
 
 
 @pytest.fixture(autouse=True)
@@ -387,7 +382,7 @@ def _queued(replay: _Replay) -> list[dict[str, Any]]:
 
 def test_confirmations_are_queued_round_robin_and_capped() -> None:
     replay = _Replay(tiny_truth(), QUICK_SPACE, VARIANT, 0, TRAINING)
-    replay.study.enqueue_trial(replay.space.baseline(TRAINING.base_batch_size))
+    replay.study.enqueue_trial(replay.space.baseline(TRAINING.batch_size))
     replay.trial(baseline=True)
     for params in (B32_W1, B64_W0, B64_W1):  # every configuration once
         replay.study.enqueue_trial({"batch_size": params.batch_size, **_search(params)})
@@ -404,7 +399,7 @@ def test_confirmations_are_queued_round_robin_and_capped() -> None:
 
     # Re-measurements that failed still count towards the cap of 2 x repeats per setting.
     fresh = _Replay(tiny_truth(), QUICK_SPACE, VARIANT, 0, TRAINING)
-    fresh.study.enqueue_trial(fresh.space.baseline(TRAINING.base_batch_size))
+    fresh.study.enqueue_trial(fresh.space.baseline(TRAINING.batch_size))
     fresh.trial(baseline=True)
     fresh.study.enqueue_trial({"batch_size": 32, **_search(B32_W1)})
     fresh.trial()

@@ -28,7 +28,7 @@ CONFIG = StudyConfig(
     name="runner",
     trials=3,
     device="cpu",
-    training=TrainingSettings(train_samples=512, base_batch_size=16, eval_batch_size=64),
+    training=TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64),
     space=SPACE,
 )
 
@@ -63,7 +63,7 @@ def test_other_samplers_run_real_studies(
 def test_budget_check_names_the_fix() -> None:
     # Batch 32 with 1 worker x prefetch 2: 2 prefetched + 2 warm-up + 8 measured batches.
     space = SPACE.resolve(usable_cpus=1, cuda=False)
-    small = TrainingSettings(train_samples=100, base_batch_size=16)
+    small = TrainingSettings(train_samples=100, batch_size=16)
     with pytest.raises(UserError, match=r"needs 12 batches .* raise it to at least 384"):
         check_budget(small, space)
     with pytest.raises(UserError):
@@ -161,7 +161,7 @@ def test_a_study_is_bound_to_its_hardware(
 ) -> None:
     run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=1)
     # The same study continued on a machine with other usable CPUs.
-    monkeypatch.setattr("loader_search.study._session.usable_cpus", lambda: 64)
+    monkeypatch.setattr("loader_search.study._machine.usable_cpus", lambda: 64)
     with pytest.raises(UserError, match=r"measures hardware class cpu-\d+c-\w+, but this"):
         run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=2)
 

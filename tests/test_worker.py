@@ -8,16 +8,17 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from loader_search.study._recommend import BASELINE_ATTR, CONFIRMATION_ATTR, DIRECTIONS
-from loader_search.study._record import CONSTRAINT, FAILURE_REASON
-from loader_search.study._worker import (
-    RetryStaleTrial,
-    _Health,
-    count_used,
-    fail_stale_trials,
-    uses_budget,
+from loader_search.params import WorkersSettings
+from loader_search.study._budget import count_used, uses_budget
+from loader_search.study._heartbeats import Health, RetryStaleTrial, fail_stale_trials
+from loader_search.study._keys import (
+    BASELINE_ATTR,
+    CONFIRMATION_ATTR,
+    CONSTRAINT,
+    DIRECTIONS,
+    FAILURE_REASON,
 )
-from loader_search.team._storage import Heartbeat, open_storage
+from loader_search.team._storage import open_storage
 
 GRACE_S = 2
 
@@ -25,7 +26,7 @@ GRACE_S = 2
 def _study(tmp_path: Path) -> optuna.Study:
     storage = open_storage(
         f"sqlite:///{tmp_path / 'study.db'}",
-        heartbeat=Heartbeat(interval_s=1, grace_period_s=GRACE_S, max_retry=1),
+        workers=WorkersSettings(heartbeat_interval_s=1, grace_period_s=GRACE_S, max_retry=1),
         on_stale=RetryStaleTrial(max_retry=1),
     )
     return optuna.create_study(storage=storage, directions=list(DIRECTIONS))
@@ -47,11 +48,11 @@ def test_no_sweep_right_after_a_database_outage(tmp_path: Path) -> None:
     study = _study(tmp_path)
     trial = _dying_trial(study)
     time.sleep(GRACE_S + 1)
-    outage = _Health()
+    outage = Health()
     outage.failed()  # this process could not reach the database a moment ago
     fail_stale_trials(study, outage, GRACE_S)
     assert study.trials[trial.number].state == TrialState.RUNNING  # its owner may be alive
-    fail_stale_trials(study, _Health(), GRACE_S)
+    fail_stale_trials(study, Health(), GRACE_S)
     assert study.trials[trial.number].state == TrialState.FAIL
 
 
@@ -59,7 +60,7 @@ def test_a_retry_keeps_the_settings_but_not_the_dead_trial_s_outcome(tmp_path: P
     study = _study(tmp_path)
     dead = _dying_trial(study)
     time.sleep(GRACE_S + 1)
-    fail_stale_trials(study, _Health(), GRACE_S)
+    fail_stale_trials(study, Health(), GRACE_S)
     (retry,) = study.get_trials(states=(TrialState.WAITING,))
     assert retry.params == study.trials[dead.number].params
     assert retry.user_attrs == {BASELINE_ATTR: True}  # not the half-recorded outcome
@@ -73,7 +74,7 @@ def test_a_retry_keeps_the_settings_but_not_the_dead_trial_s_outcome(tmp_path: P
     assert again.number == retry.number
     study._storage.record_heartbeat(again._trial_id)  # type: ignore[attr-defined]
     time.sleep(GRACE_S + 1)
-    fail_stale_trials(study, _Health(), GRACE_S)
+    fail_stale_trials(study, Health(), GRACE_S)
     assert not study.get_trials(states=(TrialState.WAITING,))
 
 
@@ -84,7 +85,7 @@ def test_a_retried_re_measurement_stays_beyond_the_budget(tmp_path: Path) -> Non
     trial.suggest_int("batch_size", 16, 64)
     trial.set_user_attr(CONFIRMATION_ATTR, True)  # a re-measurement whose worker then died
     time.sleep(GRACE_S + 1)
-    fail_stale_trials(study, _Health(), GRACE_S)
+    fail_stale_trials(study, Health(), GRACE_S)
     (retry,) = study.get_trials(states=(TrialState.WAITING,))
     assert retry.user_attrs == {CONFIRMATION_ATTR: True}
     assert not uses_budget(retry)  # it stays a re-measurement, not a search trial

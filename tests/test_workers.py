@@ -18,7 +18,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from loader_search.study._record import FAILURE_REASON
+from loader_search.study._keys import FAILURE_REASON
 from loader_search.study._worker import count_finished
 from loader_search.workloads import Workload
 from tests.conftest import (
@@ -343,7 +343,7 @@ def test_a_result_written_during_an_outage_is_kept(
 ) -> None:
     """The database stops just as a trial finishes; its result is written once it is back."""
     from loader_search.params import LoaderParams, TrainingSettings
-    from loader_search.study._recommend import DIRECTIONS
+    from loader_search.study._keys import DIRECTIONS
     from loader_search.study._record import record
     from loader_search.team._storage import open_storage
     from loader_search.trial._run import run_trial

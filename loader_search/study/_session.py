@@ -1,10 +1,11 @@
-"""Creating, continuing and joining studies; the trials themselves run in `worker`.
+"""Creating, continuing and joining studies; the trials themselves run in `_worker`.
 
 The study's trial budget (``[study] trials``, or ``--n-trials``) is a total stored with the
 study and shared by every process that works on it: running the same study again continues
 until the budget is used, so an interrupted run picks up where it stopped, and ``loader-search
 worker`` processes on other machines join it. `run` stores its config document with the
-study, so a worker needs nothing but the study's name and the database.
+study, so a worker needs nothing but the study's name and the database. `run`, `init` and
+`worker` all open their study through `prepare_session`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import platform
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,48 +21,35 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from loader_search._version import __version__
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._config import StudyConfig, parse_config
-from loader_search.study._fit import fit_space, sample_bytes
-from loader_search.study._recommend import (
+from loader_search.study._config import StudyConfig
+from loader_search.study._events import NullReporter, Reporter, Session, StudyInfo
+from loader_search.study._heartbeats import RetryStaleTrial
+from loader_search.study._keys import (
     BUDGET_ATTR,
-    CONFIRM_ATTR,
     DIRECTIONS,
     FINGERPRINT_ATTR,
     METRIC_NAMES,
     TOLERANCE_ATTR,
-    StudySummary,
-    hardware_classes,
-    summarize,
 )
+from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
+from loader_search.study._recommend import StudySummary, hardware_classes, summarize
 from loader_search.study._space import ResolvedSpace
-from loader_search.study._worker import (
-    STUDY_HARDWARE_ATTR,
-    NullReporter,
-    Reporter,
-    RetryStaleTrial,
-    Session,
-    StudyInfo,
-    TrialEvent,
-    count_finished,
-    hardware_mismatch,
-    work,
-)
-from loader_search.team._hardware import Hardware, collect, gpu_count
+from loader_search.study._stored import fingerprint, settle_budget, store_settings, stored_config
+from loader_search.study._worker import count_finished, work
+from loader_search.team._hardware import Hardware
 from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
-from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
+from loader_search.trial._system import usable_cpus
 from loader_search.workloads import Workload, check_allowed, load_workload
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Reporter", "StudyInfo", "TrialEvent", "init_study", "run_study", "run_worker"]
+__all__ = ["init_study", "prepare_session", "run_study", "run_worker"]
 
 DEFAULT_STUDY_NAME = "loader-search"
-CONFIG_ATTR = "config"  # study attribute: the config document, for workers
 
 
 def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
@@ -111,41 +98,6 @@ def make_sampler(config: StudyConfig, seed_offset: int = 0) -> optuna.samplers.B
     return optuna.samplers.TPESampler(**kwargs)
 
 
-def _fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str, Any]:
-    """What a continued study must share with the one that created it: validation loss
-    under other training settings would not compare. (Hardware is checked apart, per trial:
-    see `_check_hardware`.)"""
-    return {
-        # How throughput is measured: warm-up to the early-stop mark (loader_search.trial._run).
-        # Studies that earlier versions measured over the whole run do not compare.
-        "throughput_window": "warmup-to-mark",
-        "workload": spec,
-        "workload_options": dict(workload.options or config.workload_options),
-        "space": config.space.as_dict(),
-        "training": {
-            "train_samples": config.training.train_samples,
-            "batch_size": config.training.base_batch_size,
-            "lr_scaling": config.training.lr_scaling,
-            "lr": config.training.lr,
-            "warmup_batches": config.training.warmup_batches,
-            "eval_batch_size": config.training.eval_batch_size,
-            "seed": config.training.seed,
-            "reuse_val_loss": config.training.reuse_val_loss,
-        },
-    }
-
-
-def _environment() -> dict[str, Any]:
-    import torch
-
-    return {
-        "torch_version": torch.__version__,
-        "optuna_version": optuna.__version__,
-        "python_version": platform.python_version(),
-        "loader_search_version": __version__,
-    }
-
-
 def _open_study(
     storage: optuna.storages.RDBStorage,
     name: str,
@@ -192,58 +144,6 @@ def _seed_offset(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False)) + os.getpid() * 7919
 
 
-def _check_hardware(study: optuna.Study, hardware: Hardware, allow_mixed: bool) -> list[str]:
-    """Refuse early (before the workload is built) a machine of another class than the
-    study's first trial; the worker checks again under the study lock before each trial."""
-    bound = study.user_attrs.get(STUDY_HARDWARE_ATTR)
-    if bound is None or bound == hardware.hardware_class:
-        return []
-    if not allow_mixed:
-        raise hardware_mismatch(study.study_name, bound, hardware)
-    return [
-        f"mixed hardware: this machine is {hardware.hardware_class}, the study's first"
-        f" trials ran on {bound}; results are reported per class"
-    ]
-
-
-def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
-    """Pin this process (and so every trial it forks) to ``cpus`` and ``gpu``; returns the
-    device spec to use. Called before anything asks CUDA about its devices."""
-    if cpus is not None:
-        allowed = os.sched_getaffinity(0)
-        outside = sorted(set(cpus) - allowed)
-        if not cpus or outside:
-            raise UserError(
-                f"--cpus {','.join(map(str, cpus))}: CPU(s) {outside or 'none'} are not"
-                f" available to this process (it may use {_ranges(sorted(allowed))})"
-            )
-        os.sched_setaffinity(0, set(cpus))
-    if gpu is None:
-        return device_spec
-    if device_spec == "cpu":
-        raise UserError(f"--gpu {gpu} but the study trains on the CPU: leave --gpu out")
-    count = gpu_count()
-    if gpu < 0 or gpu >= count:
-        raise UserError(f"--gpu {gpu}: this machine has {count} GPU(s) (0 .. {count - 1})")
-    # Set before CUDA starts (in this process or the trials it forks): the trial then sees
-    # one device, cuda:0.
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return "cuda"
-
-
-def _this_machine(
-    config: StudyConfig, cpus: Sequence[int] | None, gpu: int | None
-) -> tuple[torch.device, Hardware]:
-    """Pin this process, then resolve its device and describe the hardware its trials use
-    (in that order: pinning must precede any question to CUDA)."""
-    device = resolve_device(_pin(cpus, gpu, config.device))
-    return device, collect(device.type, usable_cpus(), 1 if gpu is not None else None)
-
-
-def _ranges(values: Sequence[int]) -> str:
-    return ",".join(map(str, values))
-
-
 @contextlib.contextmanager
 def _quiet_optuna() -> Iterator[None]:
     # The reporter speaks instead of Optuna's per-trial log lines.
@@ -276,27 +176,18 @@ def run_study(
     """
     reporter = reporter or NullReporter()
     with _quiet_optuna():
-        # Everything that can be wrong with the input is checked before the storage is
-        # touched; the device first, as pinning must precede any question to CUDA.
-        device, hardware = _this_machine(config, cpus, gpu)
-        study, info, workload, space = _create_or_continue(
-            config, workload, storage, n_trials, reporter, hardware, allow_mixed_hardware
-        )
-        reporter.study_started(info)
-        session = Session(
-            study,
+        info, session = prepare_session(
             config,
-            workload,
-            space,
-            device,
-            hardware,
-            info.budget,
-            cpus,
-            gpu,
-            allow_mixed_hardware,
+            reporter,
+            workload=workload,
+            storage=storage,
+            budget=n_trials,
+            machine=Machine(cpus, gpu, allow_mixed_hardware),
         )
+        assert session is not None  # a machine was given
+        reporter.study_started(info)
         work(session, reporter, timeout_s=config.timeout_s)
-        return _summary(study, config.loss_tolerance, hardware)
+        return _summary(session.study, config.loss_tolerance, session.hardware)
 
 
 def init_study(
@@ -314,119 +205,10 @@ def init_study(
     It needs no GPU: the study is bound to the hardware of its first trial, not of ``init``.
     """
     with _quiet_optuna():
-        _, info, _, _ = _create_or_continue(
-            config, workload, storage, n_trials, reporter or NullReporter(), None, False
+        info, _ = prepare_session(
+            config, reporter or NullReporter(), workload=workload, storage=storage, budget=n_trials
         )
         return info
-
-
-def _create_or_continue(
-    config: StudyConfig,
-    workload: Workload | None,
-    storage: str | None,
-    n_trials: int | None,
-    reporter: Reporter,
-    hardware: Hardware | None,
-    allow_mixed_hardware: bool,
-) -> tuple[optuna.Study, StudyInfo, Workload, ResolvedSpace]:
-    if n_trials is not None and n_trials < 1:
-        raise UserError(f"--n-trials {n_trials}: must be at least 1")
-    url = resolve_storage_url(storage)
-    ncpus = hardware.usable_cpus if hardware else usable_cpus()
-    cuda = hardware is not None and hardware.device_type == "cuda"
-    space = config.space.resolve(ncpus, cuda=cuda)
-    check_budget(config.training, space)
-    if workload is None:
-        spec = config.workload
-        reporter.preparing(f"building workload {spec} (its data and model)")
-        workload = load_workload(config.workload, config.workload_options)
-    else:
-        spec = f"python:{workload.name}"  # built in memory by the caller
-    if hardware is not None:
-        space = _fit_to_machine(space, workload)
-    name = config.name or DEFAULT_STUDY_NAME
-    fingerprint = _fingerprint(config, workload, spec)
-
-    shown = mask_url(url)
-    reporter.preparing(f"opening storage {shown}")
-    rdb = open_storage(
-        url, heartbeat=config.heartbeat, on_stale=RetryStaleTrial(config.heartbeat.max_retry)
-    )
-    study, created = _open_study(rdb, name, config, fingerprint)
-    notes = list(space.notes)
-    if hardware is not None:
-        notes += _check_hardware(study, hardware, allow_mixed_hardware)
-    finished = count_finished(study)
-    if n_trials is not None and n_trials < finished:
-        raise UserError(
-            f"--n-trials {n_trials} is below the {finished} trials study {name!r} already has;"
-            f" give at least {finished}, or use `loader-search best {name}` to see its results"
-        )
-    budget = n_trials
-    if budget is None:
-        stored_budget = study.user_attrs.get(BUDGET_ATTR)
-        budget = config.trials if created or stored_budget is None else int(stored_budget)
-        if budget != config.trials:
-            notes.append(
-                f"continuing with the study's stored budget of {budget} trials, not the"
-                f" config's {config.trials}; pass --n-trials to change it"
-            )
-    if created or study.user_attrs.get(FINGERPRINT_ATTR) != fingerprint:
-        # New, made by plain Optuna, or nothing measured yet under the old settings.
-        if not created and study.user_attrs.get(FINGERPRINT_ATTR) is not None:
-            notes.append(
-                f"replaced study {name!r}'s stored config (no trial had completed under it);"
-                " workers that join from now on use this one"
-            )
-        study.set_user_attr(FINGERPRINT_ATTR, fingerprint)
-        study.set_user_attr(CONFIG_ATTR, dict(config.document))
-        study.set_user_attr("workload_description", workload.description)
-        study.set_user_attr("sampler", config.sampler.name)
-        for key, value in _environment().items():
-            study.set_user_attr(key, value)
-    study.set_user_attr(BUDGET_ATTR, budget)
-    study.set_user_attr(TOLERANCE_ATTR, config.loss_tolerance)
-    study.set_user_attr(
-        CONFIRM_ATTR, {"top": config.confirm_top, "repeats": config.confirm_repeats}
-    )
-    info = StudyInfo(
-        name=name,
-        storage=shown,
-        created=created,
-        budget=budget,
-        finished=finished,
-        device=hardware.describe() if hardware else "",
-        hardware_class=hardware.hardware_class if hardware else "",
-        workload=workload.description or workload.name,
-        usable_cpus=ncpus,
-        notes=tuple(notes),
-    )
-    return study, info, workload, space
-
-
-def _fit_to_machine(space: ResolvedSpace, workload: Workload) -> ResolvedSpace:
-    """Drop loader settings whose batches cannot fit in this machine's /dev/shm (the
-    messages land in ``space.notes``), as `loader-search doctor` reports them."""
-    fitted, _ = fit_space(space, sample_bytes(workload), shm_bytes())
-    return fitted
-
-
-def _summary(study: optuna.Study, loss_tolerance: float, hardware: Hardware) -> StudySummary:
-    """The whole study's results; only this machine's class when classes are mixed."""
-    mixed = len(hardware_classes(study)) > 1
-    return summarize(study, loss_tolerance, hardware.hardware_class if mixed else None)
-
-
-def stored_config(study: optuna.Study) -> StudyConfig:
-    """The config a study was created with, as `run` stored it for workers."""
-    document = study.user_attrs.get(CONFIG_ATTR)
-    if not document:
-        raise UserError(
-            f"study {study.study_name!r} has no stored config (it was not created by"
-            " `loader-search run`, or was created from Python): start it with `loader-search"
-            " run CONFIG --storage URL`, or call run_worker(..., config=...) from Python"
-        )
-    return parse_config(document, source=f"study {study.study_name!r}'s stored config")
 
 
 def run_worker(
@@ -464,64 +246,156 @@ def run_worker(
         raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
     reporter = reporter or NullReporter()
     with _quiet_optuna():
-        url = resolve_storage_url(storage)
-        shown = mask_url(url)
-        reporter.preparing(f"opening storage {shown}")
-        existing = open_existing_study(study_name, url)
-        study = existing.study
+        info, session = prepare_session(
+            config,
+            reporter,
+            join=study_name,
+            workload=workload,
+            storage=storage,
+            machine=Machine(cpus, gpu, allow_mixed_hardware),
+            allow_plugins=allow_plugins,
+        )
+        assert session is not None  # a machine was given
+        reporter.study_started(info)
+        work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
+        study = session.study
+        tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, session.config.loss_tolerance))
+        return _summary(study, tolerance, session.hardware)
+
+
+def prepare_session(
+    config: StudyConfig | None,
+    reporter: Reporter,
+    *,
+    join: str | None = None,
+    workload: Workload | None = None,
+    storage: str | None = None,
+    budget: int | None = None,
+    machine: Machine | None = None,
+    allow_plugins: Sequence[str] = (),
+) -> tuple[StudyInfo, Session | None]:
+    """Open the study that trials will run in, and build what a worker needs to run them.
+
+    Without ``join``: create or continue the study ``config`` describes (`run`, `init`);
+    ``budget`` (``--n-trials``) becomes its total trial budget (without it a new study takes
+    ``config.trials``, a continued one keeps the budget stored with it), and the settings are
+    stored for workers. With ``join``, the name of an existing study (`worker`): its stored
+    budget and settings are used and left as they are, and its config is the stored one
+    unless ``config`` is given; a workload taken from the database must be one this machine
+    allows (``allow_plugins``, see `check_allowed`), checked before anything imports it.
+    ``workload`` (the Python API's, built in memory) is the caller's own and trusted.
+
+    ``machine``: how this process runs trials; it is pinned, its device resolved, the space
+    fitted to its /dev/shm and its hardware checked against the study's class. None when no
+    trial runs here (`init`): then no device is touched and no `Session` is returned.
+
+    Input that can be wrong is checked before the storage is written (``run``: the device
+    first, as pinning must precede any question to CUDA; ``worker``: the allow-list before
+    any import, the hardware class before the workload is built).
+    """
+    here: tuple[torch.device, Hardware] | None = None
+    if join is None:
         if config is None:
-            config = stored_config(study)
+            raise TypeError("prepare_session: a new or continued study needs its config")
+        if machine is not None:
+            # The device first, as pinning must precede any question to CUDA.
+            here = this_machine(config, machine)
+        if budget is not None and budget < 1:
+            raise UserError(f"--n-trials {budget}: must be at least 1")
+        url = resolve_storage_url(storage)
+        existing = None
+    else:
+        if budget is not None:
+            raise TypeError("prepare_session: a joining worker keeps the study's budget")
+        url = resolve_storage_url(storage)
+        reporter.preparing(f"opening storage {mask_url(url)}")
+        existing = open_existing_study(join, url)
+        if config is None:
+            config = stored_config(existing.study)
             if workload is None:
+                # Others write this database: refuse a workload spec before importing it.
                 check_allowed(config.workload, allow_plugins)
         existing.rdb.engine.dispose()  # opened again below, with the study's heartbeat settings
-        device, hardware = _this_machine(config, cpus, gpu)
-        ncpus = hardware.usable_cpus
-        space = config.space.resolve(ncpus, cuda=device.type == "cuda")
-        mixed_notes = _check_hardware(study, hardware, allow_mixed_hardware)
-        if workload is None:
-            reporter.preparing(f"building workload {config.workload} (its data and model)")
-            workload = load_workload(config.workload, config.workload_options)
-        space = _fit_to_machine(space, workload)
-        notes = list(space.notes) + mixed_notes
-        # Again, now with heartbeats on (their settings are the study's).
-        rdb = open_storage(
-            url,
-            must_exist=True,
-            heartbeat=config.heartbeat,
-            on_stale=RetryStaleTrial(config.heartbeat.max_retry),
-        )
-        study = optuna.load_study(study_name=study_name, storage=rdb)
+        if machine is not None:
+            here = this_machine(config, machine)
+    hardware = here[1] if here is not None else None
+    allow_mixed = machine is not None and machine.allow_mixed_hardware
+    ncpus = hardware.usable_cpus if hardware else usable_cpus()
+    space = config.space.resolve(
+        ncpus, cuda=hardware is not None and hardware.device_type == "cuda"
+    )
+    mixed: list[str] = []
+    if existing is None:
+        check_budget(config.training, space)
+    elif hardware is not None:
+        mixed = check_hardware(existing.study, hardware, allow_mixed)  # before the build
+    if workload is None:
+        spec = config.workload
+        reporter.preparing(f"building workload {spec} (its data and model)")
+        workload = load_workload(config.workload, config.workload_options)
+    else:
+        spec = f"python:{workload.name}"  # built in memory by the caller
+    if hardware is not None:
+        space = fit_to_machine(space, workload)
+    notes = [*space.notes, *mixed]
+
+    shown = mask_url(url)
+    if existing is None:
+        reporter.preparing(f"opening storage {shown}")
+    # With heartbeats on (their settings are the study's); a joining worker opened it before.
+    rdb = open_storage(
+        url,
+        must_exist=existing is not None,
+        workers=config.workers,
+        on_stale=RetryStaleTrial(config.workers.max_retry),
+    )
+    if existing is None:
+        name = config.name or DEFAULT_STUDY_NAME
+        stamp = fingerprint(config, workload, spec)
+        study, created = _open_study(rdb, name, config, stamp)
+        if hardware is not None:
+            notes += check_hardware(study, hardware, allow_mixed)
+        finished = count_finished(study)
+        budget, budget_notes = settle_budget(study, config, budget, finished, created)
+        notes += budget_notes
+        notes += store_settings(study, config, workload, stamp, created, budget)
+    else:
+        name, created = existing.study.study_name, False
+        study = optuna.load_study(study_name=name, storage=rdb)
         study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
         budget = int(study.user_attrs.get(BUDGET_ATTR, config.trials))
-        reporter.study_started(
-            StudyInfo(
-                name=study_name,
-                storage=shown,
-                created=False,
-                budget=budget,
-                finished=count_finished(study),
-                device=hardware.describe(),
-                hardware_class=hardware.hardware_class,
-                workload=workload.description or workload.name,
-                usable_cpus=ncpus,
-                notes=tuple(notes),
-            )
-        )
-        session = Session(
-            study,
-            config,
-            workload,
-            space,
-            device,
-            hardware,
-            budget,
-            cpus,
-            gpu,
-            allow_mixed_hardware,
-        )
-        work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
-        tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, config.loss_tolerance))
-        return _summary(study, tolerance, hardware)
+        finished = count_finished(study)
+    info = StudyInfo(
+        name=name,
+        storage=shown,
+        created=created,
+        budget=budget,
+        finished=finished,
+        device=hardware.describe() if hardware else "",
+        hardware_class=hardware.hardware_class if hardware else "",
+        workload=workload.description or workload.name,
+        usable_cpus=ncpus,
+        notes=tuple(notes),
+    )
+    if here is None or machine is None:
+        return info, None  # `init`: no trial runs here
+    return info, Session(
+        study,
+        config,
+        workload,
+        space,
+        *here,
+        budget,
+        machine.cpus,
+        machine.gpu,
+        machine.allow_mixed_hardware,
+    )
+
+
+def _summary(study: optuna.Study, loss_tolerance: float, hardware: Hardware) -> StudySummary:
+    """The whole study's results; only this machine's class when classes are mixed."""
+    mixed = len(hardware_classes(study)) > 1
+    return summarize(study, loss_tolerance, hardware.hardware_class if mixed else None)
 
 
 @dataclass(frozen=True)

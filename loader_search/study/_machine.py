@@ -1,0 +1,99 @@
+"""This machine, as a study sees it: pinning this process (and so every trial it forks) to
+CPUs and a GPU, describing the hardware its trials use, checking it against the hardware class
+the study is bound to, and fitting the search space to its /dev/shm."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import optuna
+import torch
+
+from loader_search.errors import UserError
+from loader_search.study._config import StudyConfig
+from loader_search.study._fit import fit_space, sample_bytes
+from loader_search.study._keys import STUDY_HARDWARE_ATTR
+from loader_search.study._space import ResolvedSpace
+from loader_search.team._hardware import Hardware, collect, gpu_count
+from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
+from loader_search.workloads import Workload
+
+
+@dataclass(frozen=True)
+class Machine:
+    """How this process runs trials: pinned to ``cpus`` and ``gpu`` (None: the whole host,
+    one trial at a time), and whether it may join a study bound to another hardware class."""
+
+    cpus: Sequence[int] | None = None
+    gpu: int | None = None
+    allow_mixed_hardware: bool = False
+
+
+def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, Hardware]:
+    """Pin this process, then resolve its device and describe the hardware its trials use
+    (in that order: pinning must precede any question to CUDA)."""
+    device = resolve_device(_pin(machine.cpus, machine.gpu, config.device))
+    gpus = 1 if machine.gpu is not None else None
+    return device, collect(device.type, usable_cpus(), gpus)
+
+
+def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
+    """Pin this process (and so every trial it forks) to ``cpus`` and ``gpu``; returns the
+    device spec to use. Called before anything asks CUDA about its devices."""
+    if cpus is not None:
+        allowed = os.sched_getaffinity(0)
+        outside = sorted(set(cpus) - allowed)
+        if not cpus or outside:
+            raise UserError(
+                f"--cpus {','.join(map(str, cpus))}: CPU(s) {outside or 'none'} are not"
+                f" available to this process (it may use {_ranges(sorted(allowed))})"
+            )
+        os.sched_setaffinity(0, set(cpus))
+    if gpu is None:
+        return device_spec
+    if device_spec == "cpu":
+        raise UserError(f"--gpu {gpu} but the study trains on the CPU: leave --gpu out")
+    count = gpu_count()
+    if gpu < 0 or gpu >= count:
+        raise UserError(f"--gpu {gpu}: this machine has {count} GPU(s) (0 .. {count - 1})")
+    # Set before CUDA starts (in this process or the trials it forks): the trial then sees
+    # one device, cuda:0.
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return "cuda"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
+def check_hardware(study: optuna.Study, hardware: Hardware, allow_mixed: bool) -> list[str]:
+    """Refuse early (before the workload is built) a machine of another class than the
+    study's first trial; the worker checks again under the study lock before each trial.
+    Returns the note to show when mixing is allowed."""
+    bound = study.user_attrs.get(STUDY_HARDWARE_ATTR)
+    if bound is None or bound == hardware.hardware_class:
+        return []
+    if not allow_mixed:
+        raise hardware_mismatch(study.study_name, bound, hardware)
+    return [
+        f"mixed hardware: this machine is {hardware.hardware_class}, the study's first"
+        f" trials ran on {bound}; results are reported per class"
+    ]
+
+
+def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserError:
+    return UserError(
+        f"study {study_name!r} measures hardware class {bound}, but this machine is"
+        f" {hardware.hardware_class} ({hardware.describe()}): its throughputs would not"
+        " compare. Run on matching hardware, or pass --allow-mixed-hardware (results are then"
+        " reported per hardware class)"
+    )
+
+
+def fit_to_machine(space: ResolvedSpace, workload: Workload) -> ResolvedSpace:
+    """Drop loader settings whose batches cannot fit in this machine's /dev/shm (the
+    messages land in ``space.notes``), as `loader-search doctor` reports them."""
+    fitted, _ = fit_space(space, sample_bytes(workload), shm_bytes())
+    return fitted

@@ -1,0 +1,226 @@
+"""The budget decision (`loader_search.study._budget.decide`) on hand-made trials: what a worker
+does next under the study lock, and what the benchmarks' replay follows too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.params import LoaderParams
+from loader_search.study._budget import (
+    Confirm,
+    ConfirmSettings,
+    Done,
+    Take,
+    Wait,
+    confirm_settings,
+    count_used,
+    decide,
+    uses_budget,
+)
+from loader_search.study._config import StudyConfig
+from loader_search.study._keys import (
+    BASELINE_ATTR,
+    CONFIRM_ATTR,
+    CONFIRMATION_ATTR,
+    FAILURE_REASON,
+    HARDWARE_CLASS_ATTR,
+    PARAMS_ATTR,
+    RETRY_HISTORY,
+    TOLERANCE_ATTR,
+)
+
+NO_CONFIRM = ConfirmSettings(top=0, repeats=3, loss_tolerance=0.05)
+CONFIRM = ConfirmSettings(top=3, repeats=3, loss_tolerance=0.05)
+DISTRIBUTIONS = {
+    "batch_size": CategoricalDistribution([16, 32, 64]),
+    "num_workers": IntDistribution(0, 4),
+    "prefetch_factor": IntDistribution(1, 4),
+}
+
+
+def _trial(
+    number: int,
+    state: TrialState,
+    *,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    values: tuple[float, float] | None = None,
+    system_attrs: dict[str, Any] | None = None,
+    **user_attrs: Any,
+) -> FrozenTrial:
+    """A trial as the worker stores it: its search params and effective settings."""
+    params = {"batch_size": batch_size, "num_workers": num_workers}
+    if num_workers:
+        params["prefetch_factor"] = 2  # only with workers, as the search space suggests it
+    loader = LoaderParams(batch_size, num_workers, params.get("prefetch_factor"))
+    if state == TrialState.COMPLETE and values is None:
+        values = (100.0, 1.0)
+    trial = optuna.trial.create_trial(
+        state=state,
+        params=params,
+        distributions={name: DISTRIBUTIONS[name] for name in params},
+        values=list(values) if values is not None else None,
+        user_attrs={PARAMS_ATTR: loader.as_dict(), **user_attrs},
+        system_attrs=system_attrs or {},
+    )
+    trial.number = number
+    return trial
+
+
+def _baseline(
+    number: int = 0, state: TrialState = TrialState.COMPLETE, **attrs: Any
+) -> FrozenTrial:
+    values = (100.0, 1.0) if state == TrialState.COMPLETE else None
+    return _trial(number, state, values=values, **{BASELINE_ATTR: True}, **attrs)
+
+
+# --- take ----------------------------------------------------------------------------------
+
+
+def test_a_new_study_takes_the_baseline_first() -> None:
+    assert decide([], 3, CONFIRM) == Take(baseline=True)
+
+
+def test_below_the_budget_a_new_trial_is_taken_without_a_second_baseline() -> None:
+    trials = [_baseline(), _trial(1, TrialState.COMPLETE, num_workers=2)]
+    assert decide(trials, 3, CONFIRM) == Take(baseline=False)
+    # A queued or running baseline is on its way: no second one either.
+    for state in (TrialState.WAITING, TrialState.RUNNING):
+        assert decide([_baseline(state=state)], 3, CONFIRM) == Take(baseline=False)
+
+
+@pytest.mark.parametrize("reason", ["interrupted", "diverged"])
+def test_a_baseline_that_did_not_complete_is_queued_again_and_uses_no_budget(
+    reason: str,
+) -> None:
+    failed = _baseline(state=TrialState.FAIL, **{FAILURE_REASON: reason})
+    assert not uses_budget(failed)
+    # Budget 1: the failed baseline did not use it, so the study takes its baseline again.
+    assert decide([failed], 1, CONFIRM) == Take(baseline=True)
+
+
+def test_a_queued_trial_is_taken_even_past_the_budget() -> None:
+    # A retry or a re-measurement waiting: taking it comes before any budget question.
+    trials = [_baseline(), _trial(1, TrialState.COMPLETE), _trial(2, TrialState.WAITING)]
+    assert decide(trials, 1, CONFIRM) == Take(baseline=False)
+
+
+def test_re_measurements_interruptions_and_dead_workers_use_no_budget() -> None:
+    trials = [
+        _baseline(),
+        _trial(1, TrialState.COMPLETE, num_workers=1, **{CONFIRMATION_ATTR: True}),
+        _trial(2, TrialState.FAIL, num_workers=2, **{FAILURE_REASON: "interrupted"}),
+        _trial(3, TrialState.FAIL, num_workers=3),  # worker died: no reason recorded
+        # Died after recording a reason, then queued again: only the retry counts.
+        _trial(4, TrialState.FAIL, num_workers=4, **{FAILURE_REASON: "cuda_oom"}),
+        _trial(5, TrialState.COMPLETE, num_workers=4, system_attrs={RETRY_HISTORY: [4]}),
+    ]
+    assert count_used(trials, (TrialState.COMPLETE, TrialState.FAIL)) == 2  # 0 and 5
+    assert decide(trials, 3, NO_CONFIRM) == Take(baseline=False)
+    assert decide(trials, 2, NO_CONFIRM) == Done()
+
+
+def test_a_trial_that_failed_on_its_own_uses_the_budget() -> None:
+    crashed = _trial(1, TrialState.FAIL, num_workers=2, **{FAILURE_REASON: "exception"})
+    assert uses_budget(crashed)
+    assert decide([_baseline(), crashed], 2, NO_CONFIRM) == Done()
+
+
+def test_the_grid_stops_when_every_combination_was_taken() -> None:
+    trials = [_baseline(), _trial(1, TrialState.COMPLETE, num_workers=1)]
+    assert decide(trials, 10, NO_CONFIRM, grid_size=3) == Take(baseline=False)
+    assert decide(trials, 10, NO_CONFIRM, grid_size=2) == Done()
+    # The same combination twice (a retry) takes only one of the grid's places.
+    again = [*trials, _trial(2, TrialState.COMPLETE, num_workers=1)]
+    assert decide(again, 10, NO_CONFIRM, grid_size=3) == Take(baseline=False)
+
+
+# --- wait ----------------------------------------------------------------------------------
+
+
+def test_running_trials_use_the_budget_and_are_waited_for() -> None:
+    trials = [
+        _baseline(),
+        _trial(1, TrialState.RUNNING, num_workers=1),
+        _trial(2, TrialState.RUNNING, num_workers=2),
+    ]
+    assert decide(trials, 4, CONFIRM) == Take(baseline=False)
+    # Budget used while two still run: they may die (retried) or be candidates (re-measured).
+    assert decide(trials, 3, CONFIRM) == Wait(running=2)
+    assert decide(trials, 3, NO_CONFIRM) == Wait(running=2)
+
+
+# --- confirm and done ----------------------------------------------------------------------
+
+
+def _searched(**attrs: Any) -> list[FrozenTrial]:
+    """A used-up budget of 3: the baseline, a fast point within the tolerance, and a faster
+    one past it."""
+    return [
+        _baseline(**attrs),
+        _trial(1, TrialState.COMPLETE, num_workers=2, values=(300.0, 1.02), **attrs),
+        _trial(2, TrialState.COMPLETE, num_workers=4, values=(400.0, 1.5), **attrs),
+    ]
+
+
+def test_once_the_budget_is_used_the_candidates_are_re_measured_round_robin() -> None:
+    decision = decide(_searched(), 3, CONFIRM)
+    assert isinstance(decision, Confirm)
+    fast = {"batch_size": 32, "num_workers": 2, "prefetch_factor": 2}
+    baseline = {"batch_size": 32, "num_workers": 0}
+    # Each measured once, 3 wanted: two more each, alternating; the point past the loss
+    # tolerance (num_workers=4) is no candidate.
+    assert list(decision.queue) == [fast, baseline, fast, baseline]
+
+
+def test_done_when_every_candidate_has_its_measurements() -> None:
+    trials = _searched()
+    for number, workers in enumerate([2, 0, 2, 0], start=3):
+        trials.append(
+            _trial(
+                number,
+                TrialState.COMPLETE,
+                num_workers=workers,
+                values=(300.0, 1.02) if workers else (100.0, 1.0),
+                **{CONFIRMATION_ATTR: True},
+            )
+        )
+    assert decide(trials, 3, CONFIRM) == Done()
+
+
+def test_no_re_measurement_when_it_is_off() -> None:
+    assert decide(_searched(), 3, NO_CONFIRM) == Done()
+
+
+def test_re_measurements_stop_at_twice_the_repeats_even_when_they_fail() -> None:
+    trials = _searched()
+    for number in range(3, 3 + 2 * CONFIRM.repeats):
+        trials.append(
+            _trial(
+                number,
+                TrialState.FAIL,
+                num_workers=2,
+                **{CONFIRMATION_ATTR: True, FAILURE_REASON: "exception"},
+            )
+        )
+    decision = decide(trials, 3, CONFIRM)
+    assert isinstance(decision, Confirm)
+    assert {p["num_workers"] for p in decision.queue} == {0}  # only the baseline is left
+
+
+def test_only_this_hardware_class_s_candidates_are_re_measured() -> None:
+    trials = _searched(**{HARDWARE_CLASS_ATTR: "cpu-8c-a"})
+    assert isinstance(decide(trials, 3, CONFIRM, hardware_class="cpu-8c-a"), Confirm)
+    assert decide(trials, 3, CONFIRM, hardware_class="cpu-16c-b") == Done()
+
+
+def test_confirm_settings_are_the_study_s_else_the_config_s() -> None:
+    config = StudyConfig(confirm_top=2, confirm_repeats=4, loss_tolerance=0.1)
+    assert confirm_settings({}, config) == ConfirmSettings(2, 4, 0.1)
+    stored = {CONFIRM_ATTR: {"top": 0, "repeats": 5}, TOLERANCE_ATTR: 0.2}
+    assert confirm_settings(stored, config) == ConfirmSettings(0, 5, 0.2)
