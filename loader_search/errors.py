@@ -15,6 +15,38 @@ class UserError(Exception):
     """
 
 
+class ConfigError(UserError, ValueError):
+    """A config value outside its rule. ``key`` is its TOML path (``study.trials``), so that the
+    same check reads right for a config file (the file's name is put in front) and for a
+    dataclass built in Python."""
+
+    def __init__(self, key: str, value: object, problem: str, *, joiner: str = ": ") -> None:
+        self.key, self.value, self.problem = key, value, problem
+        super().__init__(f"{key} = {show_value(value)}{joiner}{problem}")
+
+
+def show_value(value: object) -> str:
+    """``value`` as it is written in TOML (true, "text", {min = 1, max = 2}, [1, 2])."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        shown = _escaped(value[:200])
+        return f'"{shown}"' if len(value) <= 200 else f'"{shown}..." ({len(value)} chars)'
+    if isinstance(value, dict):
+        items = (f"{_escaped(str(k))} = {show_value(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _escaped(text: str) -> str:
+    """``text`` on one line: quotes, backslashes and anything unprintable (newlines, NUL,
+    escape sequences) escaped as TOML writes them, so a message stays one safe line."""
+    text = text.replace("\\", "\\\\").replace('"', '\\"')
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
+
+
 class TrainingDiverged(RuntimeError):
     """A trial's training produced a non-finite loss (usually a learning rate too large)."""
 

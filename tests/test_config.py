@@ -20,7 +20,7 @@ def test_quickstart_parses() -> None:
     assert config.space.batch_sizes == (32, 64, 128, 256)
     assert config.space.num_workers == CpuRange(0, None)
     assert config.space.torch_threads is None  # the default rule
-    assert config.training.base_batch_size == 64
+    assert config.training.batch_size == 64
 
 
 def test_every_shipped_study_config_parses() -> None:
@@ -137,11 +137,12 @@ def test_cli_overrides() -> None:
 
 
 def test_trial_limits() -> None:
-    from loader_search.trial._supervisor import TrialLimits
+    from loader_search.params import TrialLimits
 
-    assert parse_config({}).limits == TrialLimits(timeout_s=600.0, memory_limit_bytes=None)
+    assert parse_config({}).limits == TrialLimits(trial_timeout_s=600.0, memory_limit_gb=None)
     limits = parse_config({"limits": {"trial_timeout_s": 30, "memory_limit_gb": 1.5}}).limits
-    assert limits == TrialLimits(timeout_s=30.0, memory_limit_bytes=3 * 2**29)
+    assert limits == TrialLimits(trial_timeout_s=30.0, memory_limit_gb=1.5)
+    assert limits.memory_limit_bytes == 3 * 2**29
 
 
 BAD_LIMITS = [

@@ -307,7 +307,7 @@ def _start_method() -> Check:
 
 
 def _isolation(config: StudyConfig | None) -> Check:
-    from loader_search.trial._supervisor import TrialLimits
+    from loader_search.params import TrialLimits
 
     limits = config.limits if config is not None else TrialLimits()
     memory = (
@@ -319,7 +319,7 @@ def _isolation(config: StudyConfig | None) -> Check:
         return Check(
             ISOLATION,
             "ok",
-            f"every trial in a forked child process; killed after {limits.timeout_s:g} s"
+            f"every trial in a forked child process; killed after {limits.trial_timeout_s:g} s"
             f" without progress, {memory}",
         )
     return Check(

@@ -2,12 +2,15 @@
 
 Every mistake is reported as one `UserError` line naming the file, the key and the value, with
 the fix, before any storage is touched: a bad file never creates a study. The reference of all
-keys is in README.md ("Config reference"); `studies/quickstart.toml` is a working example.
+keys, with the range of each, is in docs/configuration.md; `studies/quickstart.toml` is a
+working example. Every range is written once, in `loader_search.params.RANGES`, and checked by
+the dataclasses themselves, so a config built in Python obeys the same rules as a file.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import sys
 from collections.abc import Mapping
@@ -15,34 +18,69 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from loader_search.errors import UserError
-from loader_search.params import LR_SCALINGS, TrainingSettings
+from loader_search.errors import ConfigError, UserError, show_value
+from loader_search.params import (
+    LR_SCALINGS,
+    RANGES,
+    TrainingSettings,
+    TrialLimits,
+    WorkersSettings,
+    check_device,
+    check_fields,
+    check_study_name,
+    check_value,
+)
 from loader_search.study._space import CpuRange, IntRange, SearchSpace, power_of_two_steps
-from loader_search.team._storage import Heartbeat
-from loader_search.trial._supervisor import TrialLimits
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
+# A study stores its config as JSON in one attribute; MySQL/MariaDB's column holds 64 KiB.
+OPTIONS_MAX_BYTES = 16_384
 SamplerName = Literal["tpe", "random", "nsga2", "grid"]
 SAMPLERS: tuple[SamplerName, ...] = ("tpe", "random", "nsga2", "grid")
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Which Optuna sampler drives the search. ``None`` leaves Optuna's default."""
+    """Which Optuna sampler drives the search (``[sampler]``). ``None`` leaves Optuna's
+    default."""
 
     name: SamplerName = "tpe"
     multivariate: bool | None = None  # tpe
     n_startup_trials: int | None = None  # tpe
     population_size: int | None = None  # nsga2
 
+    def __post_init__(self) -> None:
+        if self.name not in SAMPLERS:
+            raise ConfigError("sampler.name", self.name, f"use one of {', '.join(SAMPLERS)}")
+        check_fields(self, "sampler")
+        for key, applies_to in (
+            ("multivariate", "tpe"),
+            ("n_startup_trials", "tpe"),
+            ("population_size", "nsga2"),
+        ):
+            value = getattr(self, key)
+            if value is not None and self.name != applies_to:
+                raise ConfigError(
+                    f"sampler.{key}",
+                    value,
+                    f'options apply to sampler.name = "{applies_to}" only, not "{self.name}"',
+                )
+
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """A whole study: what to train, what to search, how to judge. Defaults are sane."""
+    """A whole study: what to train, what to search, how to judge. Defaults are sane.
+
+    Fields are the keys of the config file's ``[study]`` table, then one field per other
+    table (``workload``, ``training``, ``space``, ``sampler``, ``workers``, ``limits``); the
+    workload's ``name`` and ``options`` are ``workload`` and ``workload_options``, and the
+    ``[training]`` key ``device`` is ``device``. Every rule is checked here (`check_fields`),
+    so a config built in Python is held to the same rules as a file.
+    """
 
     name: str | None = None
     trials: int = 16
@@ -60,28 +98,35 @@ class StudyConfig:
     training: TrainingSettings = TrainingSettings()  # noqa: RUF009
     space: SearchSpace = SearchSpace()  # noqa: RUF009
     sampler: SamplerConfig = SamplerConfig()
-    heartbeat: Heartbeat = Heartbeat()  # noqa: RUF009
+    workers: WorkersSettings = WorkersSettings()  # noqa: RUF009
     limits: TrialLimits = TrialLimits()  # noqa: RUF009
     # The validated TOML document this config came from: stored with the study so that
     # `loader-search worker` on another machine rebuilds the very same config.
     document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.training.base_batch_size not in self.space.batch_sizes:
-            raise ValueError(
-                f"the baseline batch size {self.training.base_batch_size} is not one of the"
-                f" searched batch sizes {list(self.space.batch_sizes)}"
+        if self.name is not None:
+            check_study_name(self.name)
+        check_fields(self, "study")
+        check_device(self.device)
+        stored = len(json.dumps(dict(self.workload_options)))
+        if stored > OPTIONS_MAX_BYTES:
+            raise UserError(
+                f"workload.options take {stored:,} bytes as stored with the study; at most"
+                f" {OPTIONS_MAX_BYTES:,} fit every database: pass large data as a file path"
+                " the workload reads"
             )
-        if self.trials < 1:
-            raise ValueError(f"trials must be at least 1, got {self.trials}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in 0 .. 2**32 - 1, got {self.seed}")
-        if self.loss_tolerance < 0:
-            raise ValueError(f"loss_tolerance must be >= 0, got {self.loss_tolerance}")
-        if self.confirm_top < 0 or self.confirm_repeats < 1:
-            raise ValueError(
-                f"confirm_top must be >= 0 and confirm_repeats >= 1, got {self.confirm_top}"
-                f" and {self.confirm_repeats}"
+        if not self.workload:
+            raise ConfigError("workload.name", self.workload, "must be a non-empty string")
+        if self.training.batch_size not in self.space.batch_sizes:
+            raise ConfigError(
+                "training.batch_size",
+                self.training.batch_size,
+                f"(the baseline) is not one of the searched batch sizes"
+                f" {list(self.space.batch_sizes)}, and the baseline batch size"
+                f" {self.training.batch_size} must be measured too; pick one of them or widen"
+                " space.batch_size",
+                joiner=" ",
             )
 
     def with_overrides(
@@ -91,6 +136,8 @@ class StudyConfig:
         budget is not here: `run_study` takes it, as a continued study keeps its own."""
         if name is not None and not name.strip():
             raise UserError("--study-name is empty: give a name, or leave it out")
+        if name is not None:
+            check_study_name(name, "--study-name")
         if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
         return replace(
@@ -107,11 +154,18 @@ class _Table:
         self.source = source
         self.prefix = prefix
         if not isinstance(data, dict):
-            raise UserError(f"{source}: [{prefix}] must be a table, got {_show(data)}")
+            raise UserError(f"{source}: [{prefix}] must be a table, got {show_value(data)}")
         self.data = dict(data)
 
     def error(self, key: str, value: Any, problem: str) -> UserError:
-        return UserError(f"{self.source}: {self.prefix}.{key} = {_show(value)}: {problem}")
+        return UserError(f"{self.source}: {ConfigError(f'{self.prefix}.{key}', value, problem)}")
+
+    def check(self, key: str, value: Any, rule: str) -> None:
+        """``value`` (named ``prefix.key``) against the rule ``rule`` of `RANGES`."""
+        try:
+            check_value(f"{self.prefix}.{key}", value, rule)
+        except ConfigError as exc:
+            raise UserError(f"{self.source}: {exc}") from None
 
     def pop(self, key: str, default: Any = None) -> Any:
         return self.data.pop(key, default)
@@ -120,27 +174,20 @@ class _Table:
         prefix = f"{self.prefix}.{key}" if self.prefix else key
         return _Table(self.source, prefix, self.pop(key, {}))
 
-    def int(self, key: str, default: Any, *, minimum: int | None = None) -> Any:
+    def int(self, key: str, default: Any) -> Any:
+        """An integer; its range is checked where the rule is (`loader_search.params.RANGES`)."""
         value = self.pop(key, default)
-        if value is None:
-            return None
-        if not _is_int(value):
+        if value is not None and not _is_int(value):
             raise self.error(key, value, "must be an integer")
-        if minimum is not None and value < minimum:
-            raise self.error(key, value, f"must be at least {minimum}")
         return value
 
-    def number(self, key: str, default: Any, *, positive: bool = False) -> Any:
+    def number(self, key: str, default: Any) -> Any:
         value = self.pop(key, default)
         if value is None:
             return None
         if not _is_number(value) or not math.isfinite(value):
             raise self.error(key, value, "must be a number")
-        if positive and value <= 0:
-            raise self.error(key, value, "must be greater than 0")
-        if value < 0:
-            raise self.error(key, value, "must not be negative")
-        return float(value)
+        return value  # as written: its rule names it so, and makes it a float
 
     def string(self, key: str, default: Any, choices: tuple[str, ...] | None = None) -> Any:
         value = self.pop(key, default)
@@ -163,7 +210,7 @@ class _Table:
             key = sorted(self.data)[0]
             raise UserError(
                 f"{self.source}: unknown key {self.prefix}.{key}"
-                f" (known keys are listed in README.md, 'Config reference')"
+                f" (known keys are listed in docs/configuration.md)"
             )
 
 
@@ -186,18 +233,6 @@ def _is_plain(value: Any) -> bool:
     if isinstance(value, dict):
         return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
     return False
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
-    return repr(value)
 
 
 def load_config(path: str | Path) -> StudyConfig:
@@ -239,17 +274,14 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
         )
     defaults = StudyConfig()
     name = study.string("name", None)
-    trials = study.int("trials", defaults.trials, minimum=1)
-    timeout_s = study.number("timeout_s", None, positive=True)
-    seed = study.int("seed", defaults.seed, minimum=0)
-    if seed >= 2**32:
-        raise study.error("seed", seed, "must be below 2**32 (4294967296)")
+    trials = study.int("trials", defaults.trials)
+    timeout_s = study.number("timeout_s", None)
+    seed = study.int("seed", defaults.seed)
     loss_tolerance = study.number("loss_tolerance", defaults.loss_tolerance)
-    confirm_top = study.int("confirm_top", defaults.confirm_top, minimum=0)
-    confirm_repeats = study.int("confirm_repeats", defaults.confirm_repeats, minimum=1)
+    confirm_top = study.int("confirm_top", defaults.confirm_top)
+    confirm_repeats = study.int("confirm_repeats", defaults.confirm_repeats)
     study.done()
 
-    sampler_config = _parse_sampler(sampler)
     workload_name = workload.string("name", defaults.workload)
     options = workload.pop("options", {})
     if not isinstance(options, dict):
@@ -257,98 +289,78 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     for key, value in options.items():
         # Options are stored with the study as JSON: dates, times and NaN are refused here.
         if not _is_plain(value):
-            raise UserError(
-                f"{source}: workload.options.{key} = {_show(value)}: use strings, numbers,"
-                " booleans, lists or tables (no dates, times, nan or inf)"
+            raise workload.error(
+                f"options.{key}",
+                value,
+                "use strings, numbers, booleans, lists or tables (no dates, times, nan or inf)",
             )
     workload.done()
-
     device = training.string("device", defaults.device)
-    settings = _parse_training(training, seed)
-    search_space = _parse_space(space)
-    heartbeat = _parse_workers(workers)
-    trial_limits = _parse_limits(limits)
-
-    if settings.base_batch_size not in search_space.batch_sizes:
-        raise UserError(
-            f"{source}: training.batch_size = {settings.base_batch_size} (the baseline) is not"
-            f" one of the searched batch sizes {list(search_space.batch_sizes)}; pick one of"
-            " them or widen space.batch_size"
+    try:  # the dataclasses check every rule; the file's name goes in front of their message
+        return StudyConfig(
+            name=name,
+            trials=trials,
+            timeout_s=timeout_s,
+            seed=seed,
+            loss_tolerance=loss_tolerance,
+            confirm_top=confirm_top,
+            confirm_repeats=confirm_repeats,
+            workload=workload_name,
+            workload_options=options,
+            device=device,
+            sampler=_parse_sampler(sampler),
+            training=_parse_training(training, seed),
+            space=_parse_space(space),
+            workers=_parse_workers(workers),
+            limits=_parse_limits(limits),
+            document=document,
         )
-    return StudyConfig(
-        name=name,
-        trials=trials,
-        timeout_s=timeout_s,
-        seed=seed,
-        loss_tolerance=loss_tolerance,
-        confirm_top=confirm_top,
-        confirm_repeats=confirm_repeats,
-        workload=workload_name,
-        workload_options=options,
-        device=device,
-        training=settings,
-        space=search_space,
-        sampler=sampler_config,
-        heartbeat=heartbeat,
-        limits=trial_limits,
-        document=document,
-    )
+    except ConfigError as exc:
+        raise UserError(f"{source}: {exc}") from None
 
 
 def _parse_sampler(table: _Table) -> SamplerConfig:
-    name = table.string("name", "tpe", SAMPLERS)
     config = SamplerConfig(
-        name=name,
+        name=table.string("name", "tpe", SAMPLERS),
         multivariate=table.bool("multivariate", None),
-        n_startup_trials=table.int("n_startup_trials", None, minimum=0),
-        population_size=table.int("population_size", None, minimum=2),
+        n_startup_trials=table.int("n_startup_trials", None),
+        population_size=table.int("population_size", None),
     )
-    if name != "tpe" and (config.multivariate is not None or config.n_startup_trials is not None):
-        raise UserError(
-            f"{table.source}: sampler.multivariate and sampler.n_startup_trials apply to"
-            f' sampler.name = "tpe" only, not "{name}"'
-        )
-    if name != "nsga2" and config.population_size is not None:
-        raise UserError(
-            f'{table.source}: sampler.population_size applies to sampler.name = "nsga2" only'
-        )
     table.done()
     return config
 
 
-def _parse_workers(table: _Table) -> Heartbeat:
-    defaults = Heartbeat()
-    interval = table.int("heartbeat_interval_s", defaults.interval_s, minimum=1)
-    grace = table.int("grace_period_s", defaults.grace_period_s, minimum=2)
-    if grace <= interval:
-        raise table.error(
-            "grace_period_s", grace, f"must exceed heartbeat_interval_s ({interval})"
-        )
-    retries = table.int("max_retry", defaults.max_retry, minimum=0)
+def _parse_workers(table: _Table) -> WorkersSettings:
+    defaults = WorkersSettings()
+    settings = WorkersSettings(
+        heartbeat_interval_s=table.int("heartbeat_interval_s", defaults.heartbeat_interval_s),
+        grace_period_s=table.int("grace_period_s", defaults.grace_period_s),
+        max_retry=table.int("max_retry", defaults.max_retry),
+    )
     table.done()
-    return Heartbeat(interval_s=interval, grace_period_s=grace, max_retry=retries)
+    return settings
 
 
 def _parse_limits(table: _Table) -> TrialLimits:
-    """``[limits]``: when a trial is killed. ``memory_limit_gb`` is in GiB (2**30 bytes), as
-    ``docker run --memory 8g`` counts."""
+    """``[limits]``: when a trial is killed."""
     defaults = TrialLimits()
-    timeout_s = table.number("trial_timeout_s", defaults.timeout_s, positive=True)
-    memory_gb = table.number("memory_limit_gb", None, positive=True)
+    limits = TrialLimits(
+        trial_timeout_s=table.number("trial_timeout_s", defaults.trial_timeout_s),
+        memory_limit_gb=table.number("memory_limit_gb", None),
+    )
     table.done()
-    memory = None if memory_gb is None else max(1, round(memory_gb * 2**30))
-    return TrialLimits(timeout_s=timeout_s, memory_limit_bytes=memory)
+    return limits
 
 
 def _parse_training(table: _Table, seed: int) -> TrainingSettings:
     defaults = TrainingSettings()
     settings = TrainingSettings(
-        train_samples=table.int("train_samples", defaults.train_samples, minimum=1),
-        base_batch_size=table.int("batch_size", defaults.base_batch_size, minimum=1),
+        train_samples=table.int("train_samples", defaults.train_samples),
+        batch_size=table.int("batch_size", defaults.batch_size),
         lr_scaling=table.string("lr_scaling", defaults.lr_scaling, LR_SCALINGS),
-        lr=table.number("lr", None, positive=True),
-        warmup_batches=table.int("warmup_batches", defaults.warmup_batches, minimum=1),
-        eval_batch_size=table.int("eval_batch_size", defaults.eval_batch_size, minimum=1),
+        lr=table.number("lr", None),
+        warmup_batches=table.int("warmup_batches", defaults.warmup_batches),
+        eval_batch_size=table.int("eval_batch_size", defaults.eval_batch_size),
         seed=seed,
         reuse_val_loss=table.bool("reuse_val_loss", defaults.reuse_val_loss),
     )
@@ -359,7 +371,7 @@ def _parse_training(table: _Table, seed: int) -> TrainingSettings:
 def _parse_space(table: _Table) -> SearchSpace:
     defaults = SearchSpace()
     batch_sizes = _parse_batch_sizes(table, defaults.batch_sizes)
-    workers = _parse_cpu_range(table, "num_workers", minimum=0)
+    workers = _parse_cpu_range(table, "num_workers")
     prefetch = _parse_prefetch(table, defaults.prefetch_factor)
     persistent = _parse_switch(table, "persistent_workers", "search")
     pin_memory = _parse_switch(table, "pin_memory", "auto")
@@ -382,8 +394,10 @@ def _parse_batch_sizes(table: _Table, default: tuple[int, ...]) -> tuple[int, ..
     if isinstance(value, list):
         if not value or not all(_is_int(v) for v in value):
             raise table.error("batch_size", value, "must be a non-empty list of integers")
-        if any(v <= 0 for v in value):
-            raise table.error("batch_size", value, "batch sizes must be greater than 0")
+        for size in value:
+            problem = RANGES["space.batch_size"].problem(size)
+            if problem is not None:
+                raise table.error("batch_size", value, f"batch size {size} {problem}")
         return tuple(sorted(set(value)))
     if not isinstance(value, dict):
         raise table.error(
@@ -396,8 +410,8 @@ def _parse_batch_sizes(table: _Table, default: tuple[int, ...]) -> tuple[int, ..
     sub.done()
     if low is None or high is None:
         raise table.error("batch_size", value, "needs both min and max")
-    if low <= 0:
-        raise sub.error("min", low, "batch size must be greater than 0")
+    sub.check("min", low, "space.batch_size")
+    sub.check("max", high, "space.batch_size")
     if high < low:
         raise table.error("batch_size", value, "max is below min: the range is empty")
     if step is None:
@@ -407,25 +421,27 @@ def _parse_batch_sizes(table: _Table, default: tuple[int, ...]) -> tuple[int, ..
     return tuple(range(low, high + 1, step))
 
 
-def _parse_cpu_range(table: _Table, key: str, *, minimum: int) -> CpuRange | None:
+def _parse_cpu_range(table: _Table, key: str) -> CpuRange | None:
     """``{ min = a, max = b | "auto" }`` or one integer (fixes the value)."""
+    rule = f"space.{key}"
     value = table.pop(key, None)
     if value is None:
         return None
     if _is_int(value):
-        if value < minimum:
-            raise table.error(key, value, f"must be at least {minimum}")
+        table.check(key, value, rule)
         return CpuRange(value, value)
     if not isinstance(value, dict):
         raise table.error(key, value, 'use { min = 0, max = "auto" } or a single integer')
     sub = _Table(table.source, f"{table.prefix}.{key}", value)
-    low = sub.int("min", minimum, minimum=minimum)
+    low = sub.int("min", int(RANGES[rule].low))
+    sub.check("min", low, rule)
     high = sub.pop("max", "auto")
     sub.done()
     if high == "auto":
         return CpuRange(low, None)
     if not _is_int(high):
         raise sub.error("max", high, 'must be an integer or "auto" (all usable CPUs)')
+    sub.check("max", high, rule)
     if high < low:
         raise table.error(key, value, "max is below min: the range is empty")
     return CpuRange(low, high)
@@ -436,16 +452,18 @@ def _parse_prefetch(table: _Table, default: IntRange) -> IntRange:
     if value is None:
         return default
     if _is_int(value):
-        if value < 1:  # 0 passes DataLoader's constructor but fails when the loader iterates
-            raise table.error("prefetch_factor", value, "must be at least 1")
+        # 0 passes DataLoader's constructor but fails when the loader iterates: the rule's
+        # minimum is 1.
+        table.check("prefetch_factor", value, "space.prefetch_factor")
         return IntRange(value, value)
     if not isinstance(value, dict):
         raise table.error("prefetch_factor", value, "use { min = 1, max = 8 } or one integer")
     sub = _Table(table.source, f"{table.prefix}.prefetch_factor", value)
-    # 0 passes DataLoader's constructor but fails when the loader iterates: refuse it here.
-    low = sub.int("min", default.low, minimum=1)
-    high = sub.int("max", default.high, minimum=1)
+    low = sub.int("min", default.low)
+    high = sub.int("max", default.high)
     sub.done()
+    sub.check("min", low, "space.prefetch_factor")
+    sub.check("max", high, "space.prefetch_factor")
     if high < low:
         raise table.error("prefetch_factor", value, "max is below min: the range is empty")
     return IntRange(low, high)
@@ -467,7 +485,7 @@ def _parse_threads(table: _Table) -> int | CpuRange | None:
         table.pop("torch_threads")
         return None
     if isinstance(value, (dict, int)) and not isinstance(value, bool):
-        threads = _parse_cpu_range(table, "torch_threads", minimum=1)
+        threads = _parse_cpu_range(table, "torch_threads")
         assert threads is not None
         if threads.low == threads.high:
             return threads.low

@@ -13,7 +13,6 @@ import sqlite3
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,6 +22,7 @@ from sqlalchemy.engine import URL, make_url
 
 from loader_search import interrupts
 from loader_search.errors import UserError
+from loader_search.params import WorkersSettings
 
 if TYPE_CHECKING:
     import optuna
@@ -53,10 +53,30 @@ def resolve_storage_url(cli_value: str | None) -> str:
     return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
+def check_shared(url: str, command: str) -> None:
+    """Refuse an in-memory SQLite URL for ``command`` (``init``, ``worker``), whose study must
+    outlive the process: it would vanish when the command ends."""
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return  # open_storage says what is wrong with it
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        raise UserError(
+            f"{command} --storage {mask_url(url)} is an in-memory database: the study would"
+            " vanish when the command ends; give a file (sqlite:///loader_search.db) or a server"
+        )
+
+
 def _authority_is_ambiguous(url: str) -> bool:
-    """``user:p@ss@host``: an unencoded ``@`` in the password, which parsers split wrongly."""
+    """``user:p@ss@host`` or ``user:p/ss@host``: an unencoded ``@`` or ``/`` in the user
+    name or password, which parsers split wrongly (the password then lands in the host or
+    the database name, where no masking finds it). Any ``@`` outside ``user:pw@host`` is
+    taken as such."""
     _, sep, rest = url.partition("://")
-    return bool(sep) and rest.split("/", 1)[0].count("@") > 1
+    if not sep:
+        return False
+    in_authority = rest.split("/", 1)[0].count("@")
+    return in_authority > 1 or rest.count("@") > in_authority
 
 
 def _secrets(url: URL) -> list[str]:
@@ -102,37 +122,19 @@ def _mask_in(text: str, url: str) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class Heartbeat:
-    """How workers prove they are alive. A RUNNING trial whose worker has not written a
-    heartbeat for ``grace_period_s`` is failed by whichever worker sweeps first, and queued
-    again with the same settings at most ``max_retry`` times."""
-
-    interval_s: int = 20
-    grace_period_s: int = 120
-    max_retry: int = 2
-
-    def __post_init__(self) -> None:
-        if self.interval_s < 1 or self.grace_period_s <= self.interval_s or self.max_retry < 0:
-            raise ValueError(
-                "heartbeat: need interval_s >= 1, grace_period_s > interval_s, max_retry >= 0;"
-                f" got {self.interval_s}, {self.grace_period_s}, {self.max_retry}"
-            )
-
-
 def open_storage(
     url: str,
     *,
     must_exist: bool = False,
-    heartbeat: Heartbeat | None = None,
+    workers: WorkersSettings | None = None,
     on_stale: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
 ) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage for ``url``, creating the schema if the database is empty.
 
     With ``must_exist`` the database must already hold the schema (for commands that only
-    read, and for workers joining a study): nothing is created. ``heartbeat`` turns on
-    Optuna's heartbeats; ``on_stale`` is called with each trial failed as stale (default:
-    Optuna's retry, ``heartbeat.max_retry`` times). Every failure a user can fix
+    read, and for workers joining a study): nothing is created. ``workers`` turns on
+    Optuna's heartbeats with those settings; ``on_stale`` is called with each trial failed as
+    stale (default: Optuna's retry, ``workers.max_retry`` times). Every failure a user can fix
     (malformed URL, missing driver, unreachable server, wrong credentials, a file that is
     not a database, a schema of another Optuna version) becomes a one-line `UserError` that
     shows the URL masked.
@@ -142,8 +144,8 @@ def open_storage(
     shown = mask_url(url)
     if _authority_is_ambiguous(url):
         raise UserError(
-            f"storage URL {shown} has more than one '@' before the host: percent-encode '@' in"
-            " the user name or password as %40"
+            f"storage URL {shown} has more than one '@' before the host, or one after a '/':"
+            " percent-encode '@' as %40 and '/' as %2F in the user name or password"
         )
     try:
         parsed = make_url(url)
@@ -165,25 +167,26 @@ def open_storage(
         # pool small (a worker needs one for its work and one for the heartbeat).
         engine_kwargs.update(pool_pre_ping=True, pool_recycle=1800, pool_size=2, max_overflow=3)
     heartbeat_kwargs: dict[str, Any] = {}
-    if heartbeat is not None:
+    if workers is not None:
         heartbeat_kwargs = {
-            "heartbeat_interval": heartbeat.interval_s,
-            "grace_period": heartbeat.grace_period_s,
+            "heartbeat_interval": workers.heartbeat_interval_s,
+            "grace_period": workers.grace_period_s,
             "heartbeat_stale_trial_callback": on_stale
-            or optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=heartbeat.max_retry),
+            or optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=workers.max_retry),
         }
     try:
+        if must_exist and backend != "sqlite":
+            # Before Optuna opens it: on a database without its tables, RDBStorage fails
+            # with a misleading "invalid data in the commit".
+            _check_schema(url, shown)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(
+            return optuna.storages.RDBStorage(
                 url,
                 engine_kwargs=engine_kwargs,
                 skip_table_creation=must_exist,
                 **heartbeat_kwargs,
             )
-        if must_exist and backend != "sqlite":
-            _check_schema(storage, shown)
-        return storage
     except sqlalchemy.exc.NoSuchModuleError:
         raise UserError(
             f"storage URL {shown}: unknown database dialect {parsed.drivername!r}; use"
@@ -218,13 +221,18 @@ def _open_error(exc: Exception, url: str, shown: str) -> UserError:
     )
 
 
-def _check_schema(storage: optuna.storages.RDBStorage, shown: str) -> None:
+def _check_schema(url: str, shown: str) -> None:
     """A server database must already hold Optuna's tables for a read or a join."""
-    tables = set(sqlalchemy.inspect(storage.engine).get_table_names())
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        tables = set(sqlalchemy.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
     if not {"studies", "trials", "version_info"} <= tables:
         raise UserError(
-            f"storage {shown} has no loader-search (Optuna) tables: create the study there"
-            " with `loader-search run CONFIG --storage URL` first"
+            f"storage {shown} has no loader-search (Optuna) tables, so no studies: this"
+            " database is empty; create a study there with `loader-search init CONFIG"
+            " --storage URL` (or `run`) first"
         )
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +90,15 @@ def resolve_factory(spec: str) -> WorkloadFactory:
                 " 'package.module:factory' or 'path/to/file.py:factory'"
             )
         try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and module_part.startswith(exc.name):
+            with _importing(spec, module_part):
+                module = importlib.import_module(module_part)
+        except UserError as error:
+            cause = error.__cause__
+            missing = cause.name if isinstance(cause, ModuleNotFoundError) else None
+            if missing is not None and module_part.startswith(missing):
                 raise UserError(
-                    f"workload {spec!r}: no module named {module_part!r} on the Python path;"
-                    " install it or use 'path/to/file.py:factory'"
+                    f"workload {spec!r}: no module named {module_part!r} on the Python"
+                    " path; install it or use 'path/to/file.py:factory'"
                 ) from None
             raise
     factory = getattr(module, attr, None)
@@ -114,10 +118,40 @@ def _import_file(spec: str, path: Path) -> Any:
     if module_spec is None or module_spec.loader is None:
         raise UserError(f"workload {spec!r}: {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
+    # The plug-in's folder goes on the path, as `python path/to/file.py` would put it, so that
+    # it can import the modules beside it (`from mydata import parts`).
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     # Registered so pickling (e.g. DataLoader workers under spawn) can find the module's classes.
     sys.modules[name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        with _importing(spec, str(path)):
+            module_spec.loader.exec_module(module)
+    except UserError:
+        del sys.modules[name]
+        raise
     return module
+
+
+@contextlib.contextmanager
+def _importing(spec: str, what: str) -> Iterator[None]:
+    """Importing a plug-in runs the user's code: whatever it raises (a SyntaxError, a missing
+    dependency, a RuntimeError, even ``sys.exit()``) becomes one line that names the plug-in,
+    the error and how to see the whole traceback. Ctrl-C stays Ctrl-C."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if isinstance(exc, SystemExit):
+            first = f"the plug-in called sys.exit({exc.code!r}) while being imported"
+        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+        raise UserError(
+            f"workload {spec!r}: importing {what} failed: {type(exc).__name__}: {first}{where};"
+            " fix the plug-in (run with --debug, or import it in Python, to see the traceback)"
+        ) from exc
 
 
 def check_workload(spec: str, options: Mapping[str, Any] | None = None) -> WorkloadFactory:
