@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from loader_search.cli._commands import app
-from loader_search.study._recommend import METRIC_NAMES
+from loader_search.study._keys import METRIC_NAMES
 from tests.conftest import ROOT, run_cli
 
 PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"

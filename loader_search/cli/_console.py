@@ -1,0 +1,462 @@
+"""What a user sees of a command: live progress lines, summary tables, the DataLoader snippet
+panel, the report file, and errors as one line with an exit code.
+
+Rendering only: every function here takes plain values the service layer computed (study info,
+trial events, summaries, report data, doctor checks) and draws them, so the commands in
+`loader_search.cli._commands` stay parse, call, render. Nothing here decides a search. Live
+progress also owns the terminal's Ctrl-C: while trials run it ends the running trial as
+interrupted instead of killing the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.syntax import Syntax
+from rich.table import Table
+
+from loader_search.errors import StudyAborted, UserError
+from loader_search.team._storage import scrub_urls
+
+if TYPE_CHECKING:
+    from loader_search.cli._doctor import Check
+    from loader_search.params import LoaderParams
+    from loader_search.report._data import ReportData
+    from loader_search.study._events import StudyInfo, TrialEvent
+    from loader_search.study._recommend import StudySummary
+
+DEBUG_ENV = "LOADER_SEARCH_DEBUG"
+
+# Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reports_errors(command: F) -> F:
+    """Turn known errors into one line on stderr and an exit code, no traceback.
+
+    Bad input (`UserError`) exits 2; a study that cannot go on exits 1; Ctrl-C exits 130.
+    ``--debug`` (or LOADER_SEARCH_DEBUG=1) adds the traceback.
+    """
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except UserError as exc:
+            _print_error(str(exc))
+            raise typer.Exit(2) from None
+        except StudyAborted as exc:
+            _print_error(str(exc))
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print(
+                "Interrupted. A trial that was running is recorded as failed (interrupted)"
+                " and uses no budget; run the same command again to continue the study."
+            )
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:
+            # Not a known case (a database down for longer than the retries, say): still one
+            # line, without any password; --debug shows where it came from.
+            line = scrub_urls(f"{type(exc).__name__}: {str(exc).strip()}".splitlines()[0])
+            _print_error(f"{line} (run with --debug for the traceback)")
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _print_error(line: str) -> None:
+    """One ``error: ...`` line on stderr; the traceback before it only under --debug."""
+    if os.environ.get(DEBUG_ENV):
+        traceback.print_exc(file=sys.stderr)
+    err_console.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
+
+
+@contextlib.contextmanager
+def live_progress(*, interruptible: bool = False) -> Iterator[RichReporter]:
+    """A `RichReporter` on the console, closed (bar and spinner gone) however the block ends.
+
+    ``interruptible``: meanwhile Ctrl-C and SIGTERM (`docker stop`, schedulers) end the running
+    trial as interrupted at a safe point (see `loader_search.interrupts`) instead of killing
+    the process in the middle of a database write.
+    """
+    reporter = RichReporter(console)
+    try:
+        with _stop_on_signals() if interruptible else contextlib.nullcontext():
+            yield reporter
+    finally:
+        reporter.close()
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    from loader_search.interrupts import STOP_REQUESTED, request_stop
+
+    def interrupt(signum: int, frame: object) -> None:
+        request_stop()
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        STOP_REQUESTED.clear()
+
+
+def report_destination(output: Path | None, fmt: str, study: str) -> Path | None:
+    """Where `report` writes (None: standard output), checked before the slow report is
+    computed rather than failing after it.
+
+    No ``-o``: STUDY-report.html for html, standard output for json; ``-o -``: standard output.
+    """
+    if output is None and fmt == "html":
+        output = Path(f"{study}-report.html")
+    if output is None or str(output) == "-":
+        return None
+    if output.is_dir():
+        raise UserError(f"-o {str(output)!r} is a directory: give a file name, e.g. report.html")
+    folder = output.parent if str(output.parent) else Path(".")
+    if not folder.is_dir():
+        raise UserError(
+            f"-o {str(output)!r}: folder {str(folder)!r} does not exist; create it first"
+        )
+    if not os.access(folder, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise UserError(f"-o {str(output)!r} is not writable: pick another path")
+    return output
+
+
+def write_report(data: ReportData, fmt: str, output: Path | None, study: str) -> None:
+    """The report as JSON or as one offline HTML page, to standard output (``output`` None) or
+    to a file, saying where."""
+    if fmt == "json":
+        text = json.dumps(data.as_dict(), indent=2) + "\n"
+    else:
+        from loader_search.report._html import render  # plotly: only when drawing
+
+        text = render(data)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the report to {str(output)!r}: {exc.strerror or exc}; pick another -o"
+        ) from None
+    console.print(escape(f"Report of {study} written to {output}"))
+
+
+def print_notes(notes: Iterable[str], out: Console = console) -> None:
+    """The service's notes (a narrowed space, a replaced config), one indented line each."""
+    for note in notes:
+        out.print(f"  [yellow]note:[/] {escape(note)}")
+
+
+def print_study_ready(info: StudyInfo) -> None:
+    """`init`'s answer: the study exists, and how to put workers on it."""
+    verb = "Created" if info.created else "Updated"
+    console.print(
+        f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}:"
+        f" {info.finished}/{info.budget} trials done. Start workers with\n"
+        f"  loader-search worker {escape(info.name)} --storage URL"
+    )
+    print_notes(info.notes)
+
+
+def print_dashboard_ready(storage: str, address: str, host: str) -> None:
+    """The dashboard's address, and a warning when it listens beyond this machine (no login).
+
+    ``storage`` must already be masked: it is printed as given.
+    """
+    console.print(escape(f"Dashboard of {storage} at {address} (Ctrl-C to stop)"), soft_wrap=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(
+            f"[yellow]note:[/] listening on {escape(host)}: anyone who can reach this"
+            " machine can see and edit the studies (the dashboard has no login)"
+        )
+
+
+@dataclass(frozen=True)
+class StudyRow:
+    """One line of `studies`: a study's trial counts and its best throughput (None if none)."""
+
+    name: str
+    complete: int
+    failed: int
+    running: int
+    budget: object  # as stored with the study; None: none recorded
+    best_throughput: float | None
+
+
+def print_studies(storage: str, rows: Sequence[StudyRow]) -> None:
+    """The `studies` table; ``storage`` must already be masked."""
+    if not rows:
+        console.print(escape(f"No studies in {storage}."))
+        return
+    table = Table(title=escape(f"Studies in {storage}"))
+    for column in ("study", "complete", "failed", "running", "budget", "best samples/s"):
+        table.add_column(column, justify="left" if column == "study" else "right")
+    for row in rows:
+        table.add_row(
+            escape(row.name),
+            str(row.complete),
+            str(row.failed),
+            str(row.running),
+            str(row.budget) if row.budget is not None else "-",
+            f"{row.best_throughput:,.0f}" if row.best_throughput is not None else "-",
+        )
+    console.print(table)
+
+
+_VERDICT_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+def print_checks(checks: Sequence[Check]) -> None:
+    """`doctor`'s table: one row per dependency, its verdict coloured, and the fix."""
+    table = Table(title="loader-search doctor")
+    for column in ("check", "verdict", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    for check in checks:
+        style = _VERDICT_STYLE[check.verdict]
+        table.add_row(
+            escape(check.name),
+            f"[{style}]{check.verdict}[/]",
+            escape(check.detail),
+            escape(check.fix),
+        )
+    console.print(table)
+
+
+class RichReporter:
+    """Live progress for `run`: a bar with the Pareto size and the bests, a line per trial."""
+
+    def __init__(self, out: Console = console) -> None:
+        self.console = out
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[best]}"),
+            TextColumn("[dim]{task.fields[running]}"),
+            console=out,
+            transient=True,
+        )
+        self.task: Any = None
+        self.status: Any = None
+
+    def preparing(self, what: str) -> None:
+        """A spinner while the workload is built and the storage opened (can take a while)."""
+        if self.status is None:
+            self.status = self.console.status(escape(what) + " ...")
+            self.status.start()
+        else:
+            self.status.update(escape(what) + " ...")
+
+    def _stop_status(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+    def study_started(self, info: StudyInfo) -> None:
+        self._stop_status()
+        verb = "Created" if info.created else "Continuing"
+        self.console.print(
+            f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}\n"
+            f"  workload: {escape(info.workload)}\n"
+            f"  hardware: {escape(info.device)} (class {info.hardware_class});"
+            f" {info.finished}/{info.budget} trials done",
+            soft_wrap=True,
+        )
+        print_notes(info.notes, self.console)
+        if info.finished >= info.budget:
+            self.console.print(
+                f"  Trial budget already used; raise --n-trials above {info.budget} to search"
+                " more (candidates not yet re-measured still are).",
+                soft_wrap=True,
+            )
+            return
+        self.progress.start()
+        self.task = self.progress.add_task(
+            "trials", total=info.budget, completed=info.finished, best="", running=""
+        )
+
+    def trial_started(self, number: int, params: LoaderParams) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, running=f"running #{number}: {params.describe()}")
+
+    def trial_finished(self, event: TrialEvent) -> None:
+        settings = event.params.describe() if event.params else ""
+        if event.confirmation:
+            settings += " [dim](re-measure)[/]"
+        if event.complete:
+            efficiency = f"  eff {event.loader_efficiency:4.0%}" if event.loader_efficiency else ""
+            # An early-stopped trial reports its batch size's known val_loss: marked "~".
+            mark = "~" if event.val_loss_from else " "
+            self.console.print(
+                f"  #{event.number:<3} {event.throughput:>7,.0f} samples/s  val_loss"
+                f" {event.val_loss:.4f}{mark}{efficiency}  {event.duration_s:4.1f}s  {settings}",
+                soft_wrap=True,
+            )
+        else:
+            label = "[yellow]infeasible[/]" if event.state == "infeasible" else "[red]failed[/]"
+            self.console.print(
+                f"  #{event.number:<3} {label} ({event.duration_s:.1f}s) {settings}:"
+                f" {escape(event.failure or '')}",
+                soft_wrap=True,
+            )
+            if event.hint:
+                self.console.print(f"       [dim]hint: {escape(event.hint)}[/]", soft_wrap=True)
+        if self.task is not None:
+            best = (
+                f"Pareto {event.pareto_size} | best {event.best_throughput:,.0f} samples/s"
+                f" | best val_loss {event.best_val_loss:.4f}"
+                if event.best_throughput is not None and event.best_val_loss is not None
+                else f"Pareto {event.pareto_size}"
+            )
+            self.progress.update(self.task, completed=event.finished, best=best, running="")
+
+    def warning(self, what: str) -> None:
+        self.console.print(f"  [yellow]warning:[/] {escape(what)}", soft_wrap=True)
+
+    def close(self) -> None:
+        self._stop_status()
+        self.progress.stop()
+
+
+def print_summaries(summaries: Sequence[StudySummary], *, as_json: bool = False) -> None:
+    """`best`: one study summary as tables (or JSON), or one per hardware class of a study run
+    on several machines, each under a rule naming its class: throughputs from different
+    machines never compare, so they are never in one table."""
+    if as_json:
+        if len(summaries) == 1:
+            document: dict[str, Any] = summaries[0].as_dict()
+        else:
+            document = {"hardware_classes": [s.as_dict() for s in summaries]}
+        print(json.dumps(document, indent=2))
+        return
+    if len(summaries) == 1:
+        print_summary(summaries[0])
+        return
+    for summary in summaries:
+        console.rule(f"hardware class {summary.hardware_class}")
+        print_summary(summary)
+
+
+def print_summary(summary: StudySummary) -> None:
+    """The Pareto front as a table, then the recommendation as paste-ready code."""
+    out = console
+    trials = f"{summary.n_complete} complete, {summary.n_failed} failed"
+    if summary.n_infeasible:
+        trials += f", {summary.n_infeasible} infeasible"
+    if summary.n_running:
+        trials += f", {summary.n_running} running"
+    if not summary.pareto:
+        out.print(escape(f"Study {summary.study_name}: {trials}; no completed trial yet."))
+        return
+    base = summary.baseline
+    table = Table(title=escape(f"Pareto front of {summary.study_name} ({trials})"))
+    columns = ("#", "batch", "workers", "prefetch", "persist", "pin", "threads", "samples/s")
+    for column in (*columns, "spread", "eff", "val_loss", "speedup"):
+        table.add_column(column, justify="right", no_wrap=True)
+    recommended = summary.recommended.point.number if summary.recommended else None
+    for point in summary.pareto:
+        p = point.params
+        marks = (" *" if point.number == recommended else "") + (" b" if point.is_baseline else "")
+        table.add_row(
+            f"{point.number}{marks}",
+            str(p.batch_size),
+            str(p.num_workers),
+            str(p.prefetch_factor) if p.prefetch_factor else "-",
+            "yes" if p.persistent_workers else "no",
+            "yes" if p.pin_memory else "no",
+            str(p.torch_threads),
+            f"{point.throughput:,.0f}",
+            f"{point.spread:.0%} of {len(point.measurements)}"
+            if point.spread is not None
+            else "-",
+            f"{point.loader_efficiency:.0%}" if point.loader_efficiency else "-",
+            f"{point.val_loss:.4f}",
+            f"{point.throughput / base.throughput:.2f}x" if base else "-",
+        )
+    out.print(table)
+    out.print(
+        "  * recommended   b baseline   spread: (max-min)/median of repeated measurements\n"
+        "  eff: loader efficiency, samples/s / the same model fed pre-decoded data",
+        soft_wrap=True,
+    )
+    if base is not None:
+        measured = ""
+        if base.measurements:
+            values = ", ".join(f"{v:,.0f}" for v in base.measurements)
+            measured = f" (median of {len(base.measurements)} trials: {values})"
+        out.print(
+            f"Baseline (trial #{base.number}, {base.params.describe()}):"
+            f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}",
+            soft_wrap=True,
+        )
+    _print_recommendation(summary, out)
+
+
+def _print_recommendation(summary: StudySummary, out: Console) -> None:
+    """The recommendation's headline, how sure it is, its rule, and the snippet to paste."""
+    rec = summary.recommended
+    if rec is None:
+        return
+    headline = (
+        f"[bold]Recommended:[/] trial #{rec.point.number}, {rec.point.throughput:,.0f} samples/s"
+    )
+    if rec.point.is_baseline:
+        headline = (
+            f"[bold]Recommended: keep the baseline[/] (trial #{rec.point.number}): no faster"
+            " setting within the loss tolerance was found; try more trials"
+        )
+    elif rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
+        headline += (
+            f" = [bold]{rec.speedup_vs_baseline:.2f}x the baseline[/], val_loss"
+            f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
+        )
+    out.print(headline, soft_wrap=True)
+    if rec.point.measurements and not rec.point.is_baseline:
+        values = ", ".join(f"{v:,.0f}" for v in rec.point.measurements)
+        out.print(
+            f"  measured {len(rec.point.measurements)} times (trials"
+            f" {', '.join(f'#{n}' for n in rec.point.numbers)}): {values} samples/s,"
+            f" spread {rec.point.spread:.0%}; the median counts",
+            soft_wrap=True,
+        )
+    if rec.point.loader_efficiency:
+        out.print(
+            f"  loader efficiency {rec.point.loader_efficiency:.0%}: the same model fed"
+            " pre-decoded data already on the device trains"
+            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s",
+            soft_wrap=True,
+        )
+    out.print(f"  rule: {rec.rule}", soft_wrap=True)
+    out.print(
+        Panel(
+            Syntax(rec.snippet, "python", theme="ansi_dark", background_color="default"),
+            expand=False,
+        )
+    )
