@@ -1,4 +1,7 @@
-"""``python -m benchmarks {ground-truth,replay,speedup,all} [--quick]``: see README.md."""
+"""``python -m benchmarks {ground-truth,replay,speedup,all} [--quick]``.
+
+See benchmarks/README.md.
+"""
 
 from __future__ import annotations
 

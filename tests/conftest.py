@@ -15,7 +15,7 @@ from loader_search.workloads.synthetic_images import synthetic_images
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The database servers this project's machines run (README: "Running the tests").
+# The database servers this project's machines run (docs/development.md).
 POSTGRES_URL = os.environ.get(
     "LOADER_SEARCH_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )

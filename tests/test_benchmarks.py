@@ -10,7 +10,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from loader_search.study._recommend import hypervolume_2d
 from tests.conftest import ROOT
+
+
+def test_hypervolume_2d_of_a_hand_made_front() -> None:
+    # Minimised, reference (10, 10). Front: A (2, 6), B (4, 3), C (7, 1); D (5, 5) is
+    # dominated by B and adds nothing. By hand, sweeping along the first objective:
+    # A: (10 - 2) x (10 - 6) = 32; B: (10 - 4) x (6 - 3) = 18; C: (10 - 7) x (3 - 1) = 6.
+    front = [(7.0, 1.0), (5.0, 5.0), (2.0, 6.0), (4.0, 3.0)]
+    assert hypervolume_2d(front, (10.0, 10.0)) == pytest.approx(56.0)
+    assert hypervolume_2d(front[:1], (10.0, 10.0)) == pytest.approx(27.0)  # C alone
+    assert hypervolume_2d(front + front, (10.0, 10.0)) == pytest.approx(56.0)  # repeats
+    assert hypervolume_2d([(10.0, 0.0), (0.0, 10.0)], (10.0, 10.0)) == 0.0  # on the edge
+    assert hypervolume_2d([], (10.0, 10.0)) == 0.0
+    with pytest.raises(ValueError, match="reference"):
+        hypervolume_2d([(11.0, 1.0)], (10.0, 10.0))
+    with pytest.raises(ValueError, match="reference"):
+        hypervolume_2d([(float("nan"), 1.0)], (10.0, 10.0))
 
 
 def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:

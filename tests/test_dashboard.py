@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 import pytest
 
-from loader_search.study._recommend import METRIC_NAMES
+from loader_search.study._keys import METRIC_NAMES
 from tests.conftest import ROOT, run_cli
 from tests.test_report import build_study
 

@@ -30,17 +30,20 @@ import copy
 import socketserver
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
-from optuna.study._constrained_optimization import _get_feasible_trials
-from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.errors import UserError
+from loader_search.study._recommend import is_feasible
+
+if TYPE_CHECKING:
+    # Only in BaseStorage's own signatures: Optuna exports no public name for it.
+    from optuna.study._frozen import FrozenStudy
 
 # The system attribute optuna-dashboard reads constraints from (Optuna < 5 wrote it).
 _LEGACY_CONSTRAINTS_KEY = "constraints"
@@ -62,7 +65,7 @@ class FeasibilityAwareStorage(BaseStorage):
         shown = copy.copy(trial)  # never change a trial the wrapped storage may cache
         attrs = {k: v for k, v in trial.system_attrs.items() if not k.startswith("constraints:")}
         attrs[_LEGACY_CONSTRAINTS_KEY] = list(constraints.values())
-        shown._system_attrs = attrs
+        shown.system_attrs = attrs
         return shown
 
     # Reads that return trials: the only methods that differ from the wrapped storage.
@@ -80,8 +83,9 @@ class FeasibilityAwareStorage(BaseStorage):
 
     # Delegated as they are.
     def get_all_studies(self) -> list[FrozenStudy]:
-        # Sorted by id, as optuna-dashboard does for an RDBStorage (it checks the type).
-        return sorted(self._storage.get_all_studies(), key=lambda s: s._study_id)
+        # Sorted by id, as optuna-dashboard does for an RDBStorage (it checks the type):
+        # FrozenStudy orders by study id.
+        return sorted(self._storage.get_all_studies())
 
     def create_new_study(
         self, directions: Sequence[StudyDirection], study_name: str | None = None
@@ -159,8 +163,8 @@ def feasible_pareto_front() -> Iterator[None]:
     def feasible_only(
         trials: Sequence[FrozenTrial], directions: Sequence[StudyDirection]
     ) -> list[FrozenTrial]:
-        complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        return list(original(_get_feasible_trials(complete), directions))
+        feasible = [t for t in trials if t.state == TrialState.COMPLETE and is_feasible(t)]
+        return list(original(feasible, directions))
 
     _app.get_pareto_front_trials = feasible_only
     try:

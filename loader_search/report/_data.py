@@ -29,47 +29,33 @@ from datetime import datetime, timezone
 from statistics import median
 from typing import Any, Literal
 
-import numpy as np
 import optuna
-from optuna.study._constrained_optimization import _get_feasible_trials
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._recommend import (
+from loader_search.study._keys import (
     BASELINE_ATTR,
+    DATA_WAIT,
+    ENVIRONMENT_ATTRS,
+    FAILURE_HINT,
+    FAILURE_MESSAGE,
+    FAILURE_REASON,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     LOADER_EFFICIENCY_ATTR,
+    MEASURED_OOM_REASONS,
     PARAMS_ATTR,
+    PEAK_GPU,
+    PEAK_RSS,
     THROUGHPUT,
     VAL_LOSS,
-    StudySummary,
-    summarize,
 )
-from loader_search.study._record import FAILURE_HINT, FAILURE_MESSAGE, FAILURE_REASON
-
-# Trial user attributes with measurements (see `loader_search.trial._run.TrialResult`).
-DATA_WAIT = "data_wait_fraction"
-PEAK_RSS = "peak_host_rss_bytes"
-PEAK_GPU = "peak_gpu_bytes"
-TRAIN_TIME = "train_time_s"
+from loader_search.study._recommend import StudySummary, hypervolume_2d, is_feasible, summarize
 
 # data_wait_fraction above this: the loader, not the model, set the pace of the trial.
 INPUT_BOUND_THRESHOLD = 0.1
 # Hypervolume reference: the worst feasible val_loss plus this share of its magnitude.
 HV_LOSS_MARGIN = 0.1
-OOM_REASONS = ("cuda_oom", "host_oom")
-# The study attributes `runner` records about the machine, shown when trials carry no
-# hardware fingerprint of their own (studies from before it existed).
-ENVIRONMENT_KEYS = (
-    "device",
-    "device_name",
-    "usable_cpus",
-    "torch_version",
-    "optuna_version",
-    "python_version",
-    "loader_search_version",
-)
 
 TrialStatus = Literal["pareto", "dominated", "infeasible", "failed"]
 Bound = Literal["input", "compute"]
@@ -238,7 +224,7 @@ def collect(
         ]
     finished = [t for t in all_trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
     complete = [t for t in finished if t.state == TrialState.COMPLETE]
-    feasible = _get_feasible_trials(complete)
+    feasible = [t for t in complete if is_feasible(t)]
     feasible_numbers = {t.number for t in feasible}
     # Every trial of a Pareto-optimal setting (repeats are one point: their median).
     pareto_numbers = {n for p in summary.pareto for n in (p.numbers or (p.number,))}
@@ -260,7 +246,7 @@ def collect(
         hardware=hardware_groups(finished),
         environment=tuple(
             (key, str(study.user_attrs[key]))
-            for key in ENVIRONMENT_KEYS
+            for key in ENVIRONMENT_ATTRS
             if key in study.user_attrs
         ),
     )
@@ -335,13 +321,8 @@ def hypervolume_history(trials: Sequence[FrozenTrial]) -> Hypervolume:
     The reference point is fixed for the given trials (see the module docstring), so the
     history never decreases: each step only adds points.
     """
-    from optuna._hypervolume import compute_hypervolume
-
     ordered = sorted(trials, key=lambda t: t.number)
-    feasible = {
-        t.number
-        for t in _get_feasible_trials([t for t in ordered if t.state == TrialState.COMPLETE])
-    }
+    feasible = {t.number for t in ordered if t.state == TrialState.COMPLETE and is_feasible(t)}
     losses = [t.values[1] for t in ordered if t.number in feasible and math.isfinite(t.values[1])]
     rule = (
         "reference point: throughput 0 samples/s and val_loss = the worst feasible val_loss"
@@ -352,7 +333,7 @@ def hypervolume_history(trials: Sequence[FrozenTrial]) -> Hypervolume:
         return Hypervolume(0.0, None, rule, ())
     worst = max(losses)
     reference_loss = worst + HV_LOSS_MARGIN * abs(worst) if worst else HV_LOSS_MARGIN
-    reference = np.array([0.0, reference_loss])
+    reference = (0.0, reference_loss)
     points: list[list[float]] = []
     history: list[HypervolumePoint] = []
     elapsed = 0.0
@@ -362,7 +343,7 @@ def hypervolume_history(trials: Sequence[FrozenTrial]) -> Hypervolume:
             point = [-trial.values[0], trial.values[1]]
             if all(math.isfinite(v) for v in point) and point[0] < 0 and point[1] < reference_loss:
                 points.append(point)
-        volume = float(compute_hypervolume(np.array(points), reference)) if points else 0.0
+        volume = hypervolume_2d(points, reference) if points else 0.0
         history.append(HypervolumePoint(trial.number, elapsed, volume))
     return Hypervolume(0.0, reference_loss, rule, tuple(history))
 
@@ -429,7 +410,7 @@ def throughput_grid(rows: Sequence[ReportTrial]) -> tuple[GridCell, ...]:
 
 
 def memory_boundary(rows: Sequence[ReportTrial]) -> MemoryBoundary:
-    oom = [r for r in rows if r.failure_reason in OOM_REASONS]
+    oom = [r for r in rows if r.failure_reason in MEASURED_OOM_REASONS]
     smallest = min((r.params.batch_size for r in oom if r.params), default=None)
     ok = [
         r.params.batch_size

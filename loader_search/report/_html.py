@@ -1,10 +1,14 @@
 """Drawing the report: one self-contained HTML file from a `ReportData`.
 
 Nothing is computed here that a test would need to check; `loader_search.report._data` does that.
-The file works offline: plotly.js is embedded once, inline, and the page loads nothing else
-(no CDN, no MathJax, no fonts, no images), so it can be mailed or archived as is.
-The plotly.js bundle itself contains URL strings (map tiles for map traces, which this report
-never draws); the browser test checks that opening the file makes no request at all.
+The figures are drawn in `loader_search.report._figures`; plotly's own ``Figure.to_html`` writes
+each one's container and drawing script, and this module only adds the text around them.
+
+The file works offline: plotly.js (`plotly.offline.get_plotlyjs`) is embedded once, inline, in
+the head, and the page loads nothing else (no CDN, no MathJax, no fonts, no images), so it can
+be mailed or archived as is. The plotly.js bundle itself contains URL strings (map tiles for
+map traces, which this report never draws); the browser test checks that opening the file makes
+no request at all.
 
 When every plot has been drawn the page sets ``data-report-status="ok"`` on ``<body>``
 (``error: ...`` on a JavaScript error), which the browser test reads.
@@ -14,14 +18,11 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Sequence
-from typing import Any
 
-import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
-from plotly.subplots import make_subplots
 
-from loader_search.report._data import ReportData, ReportTrial
+from loader_search.report._data import ReportData
+from loader_search.report._figures import figures
 
 # Plot ids, in page order; the browser test expects each container to hold a drawn plot.
 PLOT_IDS = (
@@ -33,448 +34,85 @@ PLOT_IDS = (
     "plot-efficiency",
     "plot-memory",
 )
-_TEMPLATE = "plotly_white"
-_COLORS = {
-    "pareto": "#1f77b4",
-    "dominated": "#9aa5b1",
-    "infeasible": "#ff7f0e",
-    "failed": "#d62728",
-    "baseline": "#2ca02c",
-    "recommended": "#9467bd",
-    "input": "#ff7f0e",
-    "compute": "#1f77b4",
-}
-# No plotly.com link, logo or "edit in Chart Studio" button: nothing that leaves the page.
-_PLOT_CONFIG = {"displaylogo": False, "showLink": False, "responsive": True, "topojsonURL": ""}
-_MIB = 1024 * 1024
+# No plotly.com link or logo: nothing that leaves the page. (plotly.js 3 has no "edit in
+# Chart Studio" link any more; plotly 6+ warns about its ``showLink`` option.)
+_PLOT_CONFIG = {"displaylogo": False, "responsive": True, "topojsonURL": ""}
 
 
 def render(data: ReportData) -> str:
     """The whole report as one HTML document."""
-    figures = {
-        "plot-pareto": pareto_figure(data),
-        "plot-hypervolume": hypervolume_figure(data),
-        "plot-importances": importances_figure(data),
-        "plot-throughput-grid": throughput_grid_figure(data),
-        "plot-data-wait": data_wait_figure(data),
-        "plot-efficiency": efficiency_figure(data),
-        "plot-memory": memory_figure(data),
+    plots = {
+        plot_id: fig.to_html(
+            full_html=False,
+            include_plotlyjs=False,  # once, in the head
+            div_id=plot_id,
+            config=_PLOT_CONFIG,
+            post_script="window.reportDrawn('{plot_id}');",
+        )
+        for plot_id, fig in figures(data).items()
     }
-    specs = {key: json.loads(fig.to_json()) for key, fig in figures.items()}
     title = f"loader-search report: {data.study}"
+    hv = data.hypervolume
+    reference = f" (here {hv.reference_val_loss:.4g})" if hv.reference_val_loss is not None else ""
     sections = [
         _header(data),
         _recommendation(data),
         _section(
-            "Pareto front: throughput against validation loss", "plot-pareto", _pareto_note(data)
+            "Pareto front: throughput against validation loss",
+            _pareto_note(data),
+            plots["plot-pareto"],
         ),
         _section(
             "Hypervolume history",
-            "plot-hypervolume",
-            f"Higher is better; it can only grow. {data.hypervolume.rule}"
-            + (
-                f" (here {data.hypervolume.reference_val_loss:.4g})."
-                if data.hypervolume.reference_val_loss is not None
-                else "."
-            ),
+            f"Higher is better; it can only grow. {hv.rule}{reference}.",
+            plots["plot-hypervolume"],
         ),
         _section(
             "Parameter importances",
-            "plot-importances",
             " ".join(f"{i.objective}: {i.note}." for i in data.importances),
+            plots["plot-importances"],
         ),
         _section(
             "Throughput by num_workers x prefetch_factor, for each batch size",
-            "plot-throughput-grid",
             "Median samples/s of the feasible trials with those settings (others pooled);"
             " the number of trials is in brackets.",
+            plots["plot-throughput-grid"],
         ),
         _section(
             "Data-wait fraction per trial",
-            "plot-data-wait",
             "Share of the measured window the training loop spent waiting for the next batch."
             f" Above {data.input_bound_threshold:.0%}: input-bound (the loader set the pace),"
             " else compute-bound. A diagnostic, never the score.",
+            plots["plot-data-wait"],
         ),
         _section(
             "Loader efficiency per trial",
-            "plot-efficiency",
             "Throughput divided by the ceiling: the same model and batch size trained on"
             " pre-decoded batches already on the device, which no loader setting can beat."
             " Near 100% the loader no longer limits training; far below, the model waits for"
             " data.",
+            plots["plot-efficiency"],
         ),
-        _section("Peak memory against batch size", "plot-memory", _memory_note(data)),
+        _section("Peak memory against batch size", _memory_note(data), plots["plot-memory"]),
         _failures(data),
         _hardware(data),
     ]
-    payload = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
     return _PAGE.format(
         title=html.escape(title),
         style=_STYLE,
+        plot_ids=json.dumps(list(PLOT_IDS)),
         plotlyjs=get_plotlyjs().replace("</script", "<\\/script"),
         body="\n".join(sections),
-        figures=payload,
-        config=json.dumps(_PLOT_CONFIG),
     )
 
 
-# --- figures ----------------------------------------------------------------------------
+# --- the text around the plots -----------------------------------------------------------
 
 
-def _label(row: ReportTrial) -> str:
-    parts = [f"trial #{row.number}" + (" (baseline)" if row.is_baseline else "")]
-    if row.params is not None:
-        parts.append(row.params.describe())
-    if row.throughput is not None and row.val_loss is not None:
-        parts.append(f"{row.throughput:,.0f} samples/s, val_loss {row.val_loss:.4f}")
-    if row.failure_reason:
-        parts.append(f"{row.status}: {row.failure_reason}")
-    if row.failure_message:
-        parts.append(html.escape(row.failure_message[:120]))
-    return "<br>".join(parts)
-
-
-def pareto_figure(data: ReportData) -> go.Figure:
-    """The front on top; below it, on their own axis (trial number), the trials that have no
-    objective values to plot: infeasible and failed."""
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        row_heights=[0.82, 0.18],
-        vertical_spacing=0.14,
-        subplot_titles=("", "not on the front: infeasible and failed trials, by trial number"),
-    )
-    measured = [t for t in data.trials if t.throughput is not None]
-    front = sorted((t for t in measured if t.status == "pareto"), key=lambda t: t.throughput or 0)
-    dominated = [t for t in measured if t.status == "dominated"]
-    _scatter(fig, dominated, "dominated", dict(color=_COLORS["dominated"], size=9))
-    fig.add_trace(
-        go.Scatter(
-            x=[t.throughput for t in front],
-            y=[t.val_loss for t in front],
-            mode="lines+markers",
-            line=dict(shape="hv", color=_COLORS["pareto"], dash="dot"),
-            marker=dict(color=_COLORS["pareto"], size=11),
-            name="Pareto-optimal",
-            text=[_label(t) for t in front],
-            hoverinfo="text",
-        ),
-        row=1,
-        col=1,
-    )
-    base = data.summary.baseline
-    if base is not None:
-        # At the baseline's median throughput: the one every speedup is stated against.
-        hover = (
-            f"baseline, trial #{base.number}: {base.throughput:,.0f} samples/s (median of the"
-            f" trials with its settings), val_loss {base.val_loss:.4f}"
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[base.throughput],
-                y=[base.val_loss],
-                mode="markers",
-                marker=dict(
-                    color=_COLORS["baseline"], size=16, symbol="square-open", line=dict(width=3)
-                ),
-                name="baseline",
-                text=[hover],
-                hoverinfo="text",
-            ),
-            row=1,
-            col=1,
-        )
-    rec = data.summary.recommended
-    if rec is not None:
-        point = data.trial(rec.point.number)
-        _scatter(
-            fig,
-            [point],
-            "recommended",
-            dict(color=_COLORS["recommended"], size=22, symbol="star-open", line=dict(width=3)),
-        )
-    for status, symbol in (("infeasible", "x"), ("failed", "triangle-down")):
-        rows = [t for t in data.trials if t.status == status]
-        fig.add_trace(
-            go.Scatter(
-                x=[t.number for t in rows],
-                y=[status] * len(rows),
-                mode="markers",
-                marker=dict(color=_COLORS[status], size=12, symbol=symbol),
-                name=f"{status} ({len(rows)})",
-                text=[_label(t) for t in rows],
-                hoverinfo="text",
-            ),
-            row=2,
-            col=1,
-        )
-    fig.update_xaxes(title_text="throughput (samples/s, higher is better)", row=1, col=1)
-    fig.update_yaxes(title_text="val_loss (lower is better)", row=1, col=1)
-    fig.update_xaxes(title_text="trial number", row=2, col=1)
-    fig.update_yaxes(type="category", categoryarray=["failed", "infeasible"], row=2, col=1)
-    fig.update_layout(height=620, template=_TEMPLATE, legend=dict(orientation="h", y=1.08))
-    return fig
-
-
-def _scatter(
-    fig: go.Figure, rows: Sequence[ReportTrial], name: str, marker: dict[str, Any]
-) -> None:
-    fig.add_trace(
-        go.Scatter(
-            x=[t.throughput for t in rows],
-            y=[t.val_loss for t in rows],
-            mode="markers",
-            marker=marker,
-            name=name,
-            text=[_label(t) for t in rows],
-            hoverinfo="text",
-        ),
-        row=1,
-        col=1,
-    )
-
-
-def hypervolume_figure(data: ReportData) -> go.Figure:
-    points = data.hypervolume.points
-    fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("against trial number", "against time spent in trials")
-    )
-    common = dict(mode="lines+markers", line=dict(shape="hv", color=_COLORS["pareto"]))
-    fig.add_trace(
-        go.Scatter(
-            x=[p.number for p in points],
-            y=[p.hypervolume for p in points],
-            name="by trial",
-            **common,
-        ),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=[p.elapsed_s / 60 for p in points],
-            y=[p.hypervolume for p in points],
-            name="by time",
-            **common,
-        ),
-        row=1,
-        col=2,
-    )
-    fig.update_xaxes(title_text="trial number", row=1, col=1)
-    fig.update_xaxes(
-        title_text="cumulative trial time (min), failed trials included", row=1, col=2
-    )
-    fig.update_yaxes(title_text="hypervolume", row=1, col=1)
-    fig.update_layout(height=380, template=_TEMPLATE, showlegend=False)
-    return fig
-
-
-def importances_figure(data: ReportData) -> go.Figure:
-    titles = [i.objective for i in data.importances] or ["importances"]
-    fig = make_subplots(rows=1, cols=max(1, len(titles)), subplot_titles=titles)
-    for col, item in enumerate(data.importances, start=1):
-        pairs = list(reversed(item.values))  # largest on top
-        fig.add_trace(
-            go.Bar(
-                x=[v for _, v in pairs],
-                y=[k for k, _ in pairs],
-                orientation="h",
-                marker_color=_COLORS["pareto"] if col == 1 else _COLORS["recommended"],
-                text=[f"{v:.2f}" for _, v in pairs],
-                textposition="auto",
-                name=item.objective,
-            ),
-            row=1,
-            col=col,
-        )
-        if not item.values:
-            _empty_note(fig, item.note, col)
-        fig.update_xaxes(title_text="importance (sums to 1)", range=[0, 1], row=1, col=col)
-    fig.update_layout(height=340, template=_TEMPLATE, showlegend=False)
-    return fig
-
-
-def _prefetch_label(prefetch: int | None) -> str:
-    return "no workers" if prefetch is None else f"prefetch {prefetch}"
-
-
-def throughput_grid_figure(data: ReportData) -> go.Figure:
-    batches = sorted({c.batch_size for c in data.throughput_grid})
-    fig = make_subplots(
-        rows=1,
-        cols=max(1, len(batches)),
-        subplot_titles=[f"batch_size {b}" for b in batches] or ["no feasible trial"],
-        horizontal_spacing=0.06,
-    )
-    if not batches:
-        _empty_note(fig, "no feasible trial yet", 1)
-    top = max((c.throughput for c in data.throughput_grid), default=1.0)
-    prefetches = sorted(
-        {c.prefetch_factor for c in data.throughput_grid}, key=lambda p: -1 if p is None else p
-    )
-    workers = sorted({c.num_workers for c in data.throughput_grid})
-    x_labels = [_prefetch_label(p) for p in prefetches]
-    for col, batch in enumerate(batches, start=1):
-        cells = {
-            (c.num_workers, c.prefetch_factor): c
-            for c in data.throughput_grid
-            if c.batch_size == batch
-        }
-        z = [[_cell(cells, w, p, "value") for p in prefetches] for w in workers]
-        text = [[_cell(cells, w, p, "text") for p in prefetches] for w in workers]
-        fig.add_trace(
-            go.Heatmap(
-                x=x_labels,
-                y=[f"{w} workers" for w in workers],
-                z=z,
-                text=text,
-                texttemplate="%{text}",
-                zmin=0,
-                zmax=top,
-                colorscale="Viridis",
-                showscale=col == len(batches),
-                colorbar=dict(title=dict(text="samples/s")),
-                hovertemplate="%{y}, %{x}: %{text} samples/s<extra></extra>",
-            ),
-            row=1,
-            col=col,
-        )
-    fig.update_xaxes(type="category", tickangle=-45)
-    fig.update_yaxes(type="category")
-    fig.update_layout(height=360, template=_TEMPLATE)
-    return fig
-
-
-def _cell(
-    cells: dict[tuple[int, int | None], Any], workers: int, prefetch: int | None, what: str
-) -> Any:
-    cell = cells.get((workers, prefetch))
-    if cell is None:
-        return None if what == "value" else ""
-    if what == "value":
-        return cell.throughput
-    return f"{cell.throughput:,.0f} ({cell.n_trials})"
-
-
-def data_wait_figure(data: ReportData) -> go.Figure:
-    fig = go.Figure()
-    for bound in ("input", "compute"):
-        rows = [t for t in data.trials if t.bound == bound]
-        fig.add_trace(
-            go.Bar(
-                x=[t.number for t in rows],
-                y=[t.data_wait_fraction for t in rows],
-                name=f"{bound}-bound ({len(rows)})",
-                marker_color=_COLORS[bound],
-                text=[_label(t) for t in rows],
-                hoverinfo="text",
-                textposition="none",
-            )
-        )
-    fig.add_hline(
-        y=data.input_bound_threshold,
-        line=dict(dash="dash", color="#555"),
-        annotation_text=f"input-bound above {data.input_bound_threshold:.0%}",
-    )
-    fig.update_xaxes(title_text="trial number", dtick=1)
-    fig.update_yaxes(title_text="data-wait fraction", range=[0, 1])
-    fig.update_layout(height=340, template=_TEMPLATE, legend=dict(orientation="h", y=1.12))
-    return fig
-
-
-def efficiency_figure(data: ReportData) -> go.Figure:
-    rows = [t for t in data.trials if t.loader_efficiency is not None]
-    fig = go.Figure(
-        go.Bar(
-            x=[t.number for t in rows],
-            y=[t.loader_efficiency for t in rows],
-            marker_color=[
-                _COLORS["baseline"] if t.is_baseline else _COLORS["compute"] for t in rows
-            ],
-            text=[_label(t) for t in rows],
-            hoverinfo="text",
-            textposition="none",
-        )
-    )
-    fig.add_hline(y=1.0, line=dict(dash="dash", color="#555"), annotation_text="the ceiling")
-    fig.update_xaxes(title_text="trial number", dtick=1)
-    fig.update_yaxes(title_text="loader efficiency", tickformat=".0%", rangemode="tozero")
-    fig.update_layout(height=340, template=_TEMPLATE, showlegend=False)
-    return fig
-
-
-def memory_figure(data: ReportData) -> go.Figure:
-    """Peak memory by batch size; trials without a memory measurement (failed or infeasible)
-    sit on the batch-size axis with their own symbol; the out-of-memory boundary is shaded."""
-    fig = go.Figure()
-    with_params = [t for t in data.trials if t.params is not None]
-    for status, symbol in (
-        ("pareto", "circle"),
-        ("dominated", "circle"),
-        ("infeasible", "x"),
-        ("failed", "triangle-down"),
-    ):
-        rows = [t for t in with_params if t.status == status]
-        if not rows:
-            continue
-        fig.add_trace(
-            go.Scatter(
-                x=[t.params.batch_size for t in rows if t.params],
-                y=[(t.peak_host_rss_bytes or 0) / _MIB for t in rows],
-                mode="markers",
-                marker=dict(color=_COLORS[status], size=11, symbol=symbol),
-                name=f"host RSS, {status}",
-                text=[_label(t) for t in rows],
-                hoverinfo="text",
-            )
-        )
-    gpu = [t for t in with_params if t.peak_gpu_bytes is not None]
-    if gpu:
-        fig.add_trace(
-            go.Scatter(
-                x=[t.params.batch_size for t in gpu if t.params],
-                y=[(t.peak_gpu_bytes or 0) / _MIB for t in gpu],
-                mode="markers",
-                marker=dict(color="#17becf", size=10, symbol="diamond"),
-                name="GPU memory",
-                text=[_label(t) for t in gpu],
-                hoverinfo="text",
-            )
-        )
-    if data.memory.smallest_oom_batch_size is not None:
-        fig.add_vline(
-            x=data.memory.smallest_oom_batch_size,
-            line=dict(color=_COLORS["failed"], dash="dash"),
-            annotation_text=f"out of memory from batch {data.memory.smallest_oom_batch_size}",
-        )
-    if not with_params:
-        _empty_note(fig, "no finished trial yet", None)
-    fig.update_xaxes(title_text="batch size", type="log")
-    fig.update_yaxes(title_text="peak memory (MiB)", rangemode="tozero")
-    fig.update_layout(height=380, template=_TEMPLATE, legend=dict(orientation="h", y=1.12))
-    return fig
-
-
-def _empty_note(fig: go.Figure, text: str, col: int | None) -> None:
-    ref = "" if col in (None, 1) else str(col)
-    fig.add_annotation(
-        text=html.escape(text),
-        xref=f"x{ref} domain",
-        yref=f"y{ref} domain",
-        x=0.5,
-        y=0.5,
-        showarrow=False,
-    )
-
-
-# --- HTML -------------------------------------------------------------------------------
-
-
-def _section(title: str, plot_id: str, note: str) -> str:
+def _section(title: str, note: str, figure: str) -> str:
     return (
         f'<section><h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>'
-        f'<div class="plot" id="{plot_id}"></div></section>'
+        f'<div class="plot">{figure}</div></section>'
     )
 
 
@@ -617,43 +255,40 @@ table.grid td, table.grid th { border: 1px solid #dde3ea; }
 table.kv th { color: #52606d; font-weight: 600; }
 """
 
-# Errors are collected from the first script on, before plotly.js is even parsed.
+# The status script comes first, so that it sees errors from the first script on, before
+# plotly.js is even parsed; each plot's script (plotly's) calls reportDrawn once it is drawn.
 _PAGE = """<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <title>{title}</title>
 <script>
-window.__reportErrors = [];
-window.addEventListener("error", function (e) {{
-  window.__reportErrors.push(String(e.message));
-}});
+(function () {{
+  var errors = [], pending = {plot_ids};
+  function settle() {{
+    if (!document.body) {{ return; }}
+    if (errors.length) {{
+      document.body.setAttribute("data-report-status", "error: " + errors.join("; "));
+    }} else if (!pending.length) {{
+      document.body.setAttribute("data-report-status", "ok");
+    }}
+  }}
+  window.addEventListener("error", function (e) {{ errors.push(String(e.message)); settle(); }});
+  window.addEventListener("unhandledrejection", function (e) {{
+    errors.push(String(e.reason && e.reason.message || e.reason));
+    settle();
+  }});
+  window.reportDrawn = function (id) {{
+    pending = pending.filter(function (p) {{ return p !== id; }});
+    settle();
+  }};
+}})();
 </script>
 <style>{style}</style>
 <script>{plotlyjs}</script>
 </head>
 <body data-report-status="loading">
 {body}
-<script type="application/json" id="report-figures">{figures}</script>
-<script>
-(function () {{
-  var body = document.body;
-  function fail(error) {{
-    body.setAttribute("data-report-status", "error: " + String(error && error.message || error));
-  }}
-  try {{
-    var figures = JSON.parse(document.getElementById("report-figures").textContent);
-    var config = {config};
-    var drawn = Object.keys(figures).map(function (id) {{
-      return Plotly.newPlot(id, figures[id].data, figures[id].layout, config);
-    }});
-    Promise.all(drawn).then(function () {{
-      if (window.__reportErrors.length) {{ fail(window.__reportErrors.join("; ")); }}
-      else {{ body.setAttribute("data-report-status", "ok"); }}
-    }}, fail);
-  }} catch (error) {{ fail(error); }}
-}})();
-</script>
 </body>
 </html>
 """

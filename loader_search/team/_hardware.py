@@ -6,12 +6,15 @@ first trial, a short key built from what changes speed (device model and count, 
 usable CPUs, memory). Versions and ``/dev/shm`` are recorded but do not change the class.
 
 Nothing here initialises CUDA: trials run in processes forked from this one, and a process
-that has touched CUDA cannot fork usable children. GPU facts come from ``nvidia-smi`` and
-``torch.cuda.device_count()`` (which asks NVML, not the CUDA runtime).
+that has touched CUDA cannot fork usable children. GPU facts (`gpu_facts`) come from the
+driver's NVML library through ``pynvml`` (package nvidia-ml-py, the ``gpu`` extra) when it is
+installed and NVML starts; else from ``nvidia-smi`` (which reads NVML too, so both give the same
+names); the count last from ``torch.cuda.device_count()`` (NVML-based as well).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -69,6 +72,68 @@ class Hardware:
         )
 
 
+@dataclass(frozen=True)
+class GpuFacts:
+    """What the driver says about this machine's GPUs, read without starting CUDA."""
+
+    count: int  # every GPU of the machine, visible or not
+    model: str | None  # of the first visible GPU; None without a GPU or a driver
+    driver_version: str | None
+
+
+NO_GPU = GpuFacts(0, None, None)
+
+
+def gpu_facts(visible: str | None = None) -> GpuFacts:
+    """This machine's GPUs; ``visible`` (``CUDA_VISIBLE_DEVICES``' value) picks the GPU whose
+    model is reported. NVML first, then ``nvidia-smi``; on a machine without a GPU or driver,
+    `NO_GPU` either way."""
+    facts = _nvml_facts(visible)
+    if facts is not None:
+        return facts
+    model, driver = _nvidia_smi(visible)
+    return GpuFacts(_nvidia_smi_count(), model, driver)
+
+
+def _first_visible(visible: str | None) -> str:
+    return (visible or "").split(",")[0].strip()
+
+
+def _nvml_facts(visible: str | None) -> GpuFacts | None:
+    """`GpuFacts` from NVML; None when pynvml is not installed or NVML fails (no driver:
+    ``NVMLError_LibraryNotFound``; a device it cannot name), so that nvidia-smi is asked."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+        if count == 0:  # a driver but no GPU: what nvidia-smi says too ("No devices found")
+            return NO_GPU
+        first = _first_visible(visible)
+        if first.isdigit() or not first:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first or 0))
+        else:  # a UUID (GPU-..., MIG-...), as nvidia-smi -i also takes
+            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        model = _text(pynvml.nvmlDeviceGetName(handle))
+        return GpuFacts(count, model, _text(pynvml.nvmlSystemGetDriverVersion()))
+    except pynvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str | None:
+    """NVML strings (bytes before nvidia-ml-py 11.515), stripped; None when empty."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return text.strip() or None
+
+
 def _nvidia_smi(visible: str | None) -> tuple[str | None, str | None]:
     """(model, driver version) of the first visible GPU, from nvidia-smi; (None, None) if
     it is missing or fails."""
@@ -76,7 +141,7 @@ def _nvidia_smi(visible: str | None) -> tuple[str | None, str | None]:
     if exe is None:
         return None, None
     command = [exe, "--query-gpu=name,driver_version", "--format=csv,noheader"]
-    first = (visible or "").split(",")[0].strip()
+    first = _first_visible(visible)
     if first:
         command += ["-i", first]
     try:
@@ -90,6 +155,20 @@ def _nvidia_smi(visible: str | None) -> tuple[str | None, str | None]:
     return name.strip() or None, driver.strip() or None
 
 
+def _nvidia_smi_count() -> int:
+    """GPUs listed by ``nvidia-smi -L``, else torch's count (NVML-based), else 0."""
+    exe = shutil.which("nvidia-smi")
+    if exe is not None:
+        try:
+            out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10)
+            return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def collect(device_type: str, usable_cpus: int, gpu_count: int | None = None) -> Hardware:
     """Describe this machine as a trial on ``device_type`` would use it.
 
@@ -101,7 +180,8 @@ def collect(device_type: str, usable_cpus: int, gpu_count: int | None = None) ->
     gpu_model = driver = None
     count = 0
     if device_type == "cuda":
-        gpu_model, driver = _nvidia_smi(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        facts = gpu_facts(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        gpu_model, driver = facts.model, facts.driver_version
         count = gpu_count if gpu_count is not None else torch.cuda.device_count()
     return Hardware(
         device_type=device_type,
@@ -119,15 +199,6 @@ def collect(device_type: str, usable_cpus: int, gpu_count: int | None = None) ->
 
 
 def gpu_count() -> int:
-    """GPUs on this machine, without starting CUDA: ``nvidia-smi -L``, else torch's count
-    (NVML-based), else 0."""
-    exe = shutil.which("nvidia-smi")
-    if exe is not None:
-        try:
-            out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10)
-            return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-        except (OSError, subprocess.SubprocessError):
-            pass
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """GPUs on this machine, without starting CUDA: NVML, else ``nvidia-smi -L``, else
+    torch's count (NVML-based), else 0."""
+    return gpu_facts().count

@@ -1,4 +1,4 @@
-"""A user's own workload, as the README's plug-in example shows it (file form)."""
+"""A user's own workload, as docs/workloads.md's plug-in example shows it (file form)."""
 
 from __future__ import annotations
 
