@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from loader_search.errors import ConfigError, UserError, show_value
+from loader_search.errors import ConfigError, UserError
 from loader_search.params import (
     LR_SCALINGS,
     RANGES,
@@ -28,9 +28,9 @@ from loader_search.params import (
     check_device,
     check_fields,
     check_study_name,
-    check_value,
 )
 from loader_search.study._space import CpuRange, IntRange, SearchSpace, power_of_two_steps
+from loader_search.study._toml import Table, is_int, is_plain
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,94 +147,6 @@ class StudyConfig:
         )
 
 
-class _Table:
-    """One TOML table being read: typed getters, and unknown keys reported at the end."""
-
-    def __init__(self, source: str, prefix: str, data: Any) -> None:
-        self.source = source
-        self.prefix = prefix
-        if not isinstance(data, dict):
-            raise UserError(f"{source}: [{prefix}] must be a table, got {show_value(data)}")
-        self.data = dict(data)
-
-    def error(self, key: str, value: Any, problem: str) -> UserError:
-        return UserError(f"{self.source}: {ConfigError(f'{self.prefix}.{key}', value, problem)}")
-
-    def check(self, key: str, value: Any, rule: str) -> None:
-        """``value`` (named ``prefix.key``) against the rule ``rule`` of `RANGES`."""
-        try:
-            check_value(f"{self.prefix}.{key}", value, rule)
-        except ConfigError as exc:
-            raise UserError(f"{self.source}: {exc}") from None
-
-    def pop(self, key: str, default: Any = None) -> Any:
-        return self.data.pop(key, default)
-
-    def table(self, key: str) -> _Table:
-        prefix = f"{self.prefix}.{key}" if self.prefix else key
-        return _Table(self.source, prefix, self.pop(key, {}))
-
-    def int(self, key: str, default: Any) -> Any:
-        """An integer; its range is checked where the rule is (`loader_search.params.RANGES`)."""
-        value = self.pop(key, default)
-        if value is not None and not _is_int(value):
-            raise self.error(key, value, "must be an integer")
-        return value
-
-    def number(self, key: str, default: Any) -> Any:
-        value = self.pop(key, default)
-        if value is None:
-            return None
-        if not _is_number(value) or not math.isfinite(value):
-            raise self.error(key, value, "must be a number")
-        return value  # as written: its rule names it so, and makes it a float
-
-    def string(self, key: str, default: Any, choices: tuple[str, ...] | None = None) -> Any:
-        value = self.pop(key, default)
-        if value is None:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self.error(key, value, "must be a non-empty string")
-        if choices is not None and value not in choices:
-            raise self.error(key, value, f"use one of {', '.join(choices)}")
-        return value
-
-    def bool(self, key: str, default: Any) -> Any:
-        value = self.pop(key, default)
-        if value is not None and not isinstance(value, bool):
-            raise self.error(key, value, "must be true or false")
-        return value
-
-    def done(self) -> None:
-        if self.data:
-            key = sorted(self.data)[0]
-            raise UserError(
-                f"{self.source}: unknown key {self.prefix}.{key}"
-                f" (known keys are listed in docs/configuration.md)"
-            )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_plain(value: Any) -> bool:
-    """JSON-representable: what a study can store and compare."""
-    if isinstance(value, (str, bool, int)):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
-    return False
-
-
 def load_config(path: str | Path) -> StudyConfig:
     """Read and validate a study config file."""
     path = Path(path)
@@ -258,7 +170,7 @@ def load_config(path: str | Path) -> StudyConfig:
 def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConfig:
     """Validate a config already parsed from TOML (or written as a dict in Python)."""
     document = copy.deepcopy(dict(data))
-    top = _Table(source, "", data)
+    top = Table(source, "", data)
     study = top.table("study")
     sampler = top.table("sampler")
     workload = top.table("workload")
@@ -288,7 +200,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
         raise workload.error("options", options, "must be a table of keyword arguments")
     for key, value in options.items():
         # Options are stored with the study as JSON: dates, times and NaN are refused here.
-        if not _is_plain(value):
+        if not is_plain(value):
             raise workload.error(
                 f"options.{key}",
                 value,
@@ -319,7 +231,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
         raise UserError(f"{source}: {exc}") from None
 
 
-def _parse_sampler(table: _Table) -> SamplerConfig:
+def _parse_sampler(table: Table) -> SamplerConfig:
     config = SamplerConfig(
         name=table.string("name", "tpe", SAMPLERS),
         multivariate=table.bool("multivariate", None),
@@ -330,7 +242,7 @@ def _parse_sampler(table: _Table) -> SamplerConfig:
     return config
 
 
-def _parse_workers(table: _Table) -> WorkersSettings:
+def _parse_workers(table: Table) -> WorkersSettings:
     defaults = WorkersSettings()
     settings = WorkersSettings(
         heartbeat_interval_s=table.int("heartbeat_interval_s", defaults.heartbeat_interval_s),
@@ -341,7 +253,7 @@ def _parse_workers(table: _Table) -> WorkersSettings:
     return settings
 
 
-def _parse_limits(table: _Table) -> TrialLimits:
+def _parse_limits(table: Table) -> TrialLimits:
     """``[limits]``: when a trial is killed."""
     defaults = TrialLimits()
     limits = TrialLimits(
@@ -352,7 +264,7 @@ def _parse_limits(table: _Table) -> TrialLimits:
     return limits
 
 
-def _parse_training(table: _Table, seed: int) -> TrainingSettings:
+def _parse_training(table: Table, seed: int) -> TrainingSettings:
     defaults = TrainingSettings()
     settings = TrainingSettings(
         train_samples=table.int("train_samples", defaults.train_samples),
@@ -368,7 +280,7 @@ def _parse_training(table: _Table, seed: int) -> TrainingSettings:
     return settings
 
 
-def _parse_space(table: _Table) -> SearchSpace:
+def _parse_space(table: Table) -> SearchSpace:
     defaults = SearchSpace()
     batch_sizes = _parse_batch_sizes(table, defaults.batch_sizes)
     workers = _parse_cpu_range(table, "num_workers")
@@ -387,12 +299,12 @@ def _parse_space(table: _Table) -> SearchSpace:
     )
 
 
-def _parse_batch_sizes(table: _Table, default: tuple[int, ...]) -> tuple[int, ...]:
+def _parse_batch_sizes(table: Table, default: tuple[int, ...]) -> tuple[int, ...]:
     value = table.pop("batch_size", None)
     if value is None:
         return default
     if isinstance(value, list):
-        if not value or not all(_is_int(v) for v in value):
+        if not value or not all(is_int(v) for v in value):
             raise table.error("batch_size", value, "must be a non-empty list of integers")
         for size in value:
             problem = RANGES["space.batch_size"].problem(size)
@@ -403,7 +315,7 @@ def _parse_batch_sizes(table: _Table, default: tuple[int, ...]) -> tuple[int, ..
         raise table.error(
             "batch_size", value, "use { min = 32, max = 256 } (power-of-two steps) or a list"
         )
-    sub = _Table(table.source, f"{table.prefix}.batch_size", value)
+    sub = Table(table.source, f"{table.prefix}.batch_size", value)
     low = sub.int("min", None)
     high = sub.int("max", None)
     step = sub.int("step", None)
@@ -421,25 +333,25 @@ def _parse_batch_sizes(table: _Table, default: tuple[int, ...]) -> tuple[int, ..
     return tuple(range(low, high + 1, step))
 
 
-def _parse_cpu_range(table: _Table, key: str) -> CpuRange | None:
+def _parse_cpu_range(table: Table, key: str) -> CpuRange | None:
     """``{ min = a, max = b | "auto" }`` or one integer (fixes the value)."""
     rule = f"space.{key}"
     value = table.pop(key, None)
     if value is None:
         return None
-    if _is_int(value):
+    if is_int(value):
         table.check(key, value, rule)
         return CpuRange(value, value)
     if not isinstance(value, dict):
         raise table.error(key, value, 'use { min = 0, max = "auto" } or a single integer')
-    sub = _Table(table.source, f"{table.prefix}.{key}", value)
+    sub = Table(table.source, f"{table.prefix}.{key}", value)
     low = sub.int("min", int(RANGES[rule].low))
     sub.check("min", low, rule)
     high = sub.pop("max", "auto")
     sub.done()
     if high == "auto":
         return CpuRange(low, None)
-    if not _is_int(high):
+    if not is_int(high):
         raise sub.error("max", high, 'must be an integer or "auto" (all usable CPUs)')
     sub.check("max", high, rule)
     if high < low:
@@ -447,18 +359,18 @@ def _parse_cpu_range(table: _Table, key: str) -> CpuRange | None:
     return CpuRange(low, high)
 
 
-def _parse_prefetch(table: _Table, default: IntRange) -> IntRange:
+def _parse_prefetch(table: Table, default: IntRange) -> IntRange:
     value = table.pop("prefetch_factor", None)
     if value is None:
         return default
-    if _is_int(value):
+    if is_int(value):
         # 0 passes DataLoader's constructor but fails when the loader iterates: the rule's
         # minimum is 1.
         table.check("prefetch_factor", value, "space.prefetch_factor")
         return IntRange(value, value)
     if not isinstance(value, dict):
         raise table.error("prefetch_factor", value, "use { min = 1, max = 8 } or one integer")
-    sub = _Table(table.source, f"{table.prefix}.prefetch_factor", value)
+    sub = Table(table.source, f"{table.prefix}.prefetch_factor", value)
     low = sub.int("min", default.low)
     high = sub.int("max", default.high)
     sub.done()
@@ -469,7 +381,7 @@ def _parse_prefetch(table: _Table, default: IntRange) -> IntRange:
     return IntRange(low, high)
 
 
-def _parse_switch(table: _Table, key: str, search_word: str) -> bool | None:
+def _parse_switch(table: Table, key: str, search_word: str) -> bool | None:
     """``true`` / ``false`` fix a boolean setting; ``search_word`` leaves it to the search."""
     value = table.pop(key, search_word)
     if value == search_word:
@@ -479,7 +391,7 @@ def _parse_switch(table: _Table, key: str, search_word: str) -> bool | None:
     return value
 
 
-def _parse_threads(table: _Table) -> int | CpuRange | None:
+def _parse_threads(table: Table) -> int | CpuRange | None:
     value = table.data.get("torch_threads", "auto")
     if value == "auto":
         table.pop("torch_threads")
