@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from loader_search.params import LoaderParams
     from loader_search.report._data import ReportData
     from loader_search.study._events import StudyInfo, TrialEvent
-    from loader_search.study._recommend import StudySummary
+    from loader_search.study._recommend import PipelineView, StudySummary
 
 DEBUG_ENV = "LOADER_SEARCH_DEBUG"
 
@@ -364,6 +364,36 @@ def print_summaries(summaries: Sequence[StudySummary], *, as_json: bool = False)
         print_summary(summary)
 
 
+BOTTLENECK_TEXT = {
+    "device": "the training step itself (the device)",
+    "loader_workers": "the loader workers' CPU",
+    "main_process": "the training process receiving and copying batches",
+}
+
+
+def pipeline_lines(view: PipelineView, batch_size: int) -> list[str]:
+    """The pipeline model's word on the recommendation, for people (`best`, `run`)."""
+    source = (
+        "the model's best setting"
+        if view.limit_from == "model"
+        else "measured, above the model's prediction"
+    )
+    lines = [
+        f"  pipeline limit at batch {batch_size}: {view.limit_samples_per_s:,.0f} samples/s"
+        f" ({source}, {view.limit_params.describe()}); this setting reaches"
+        f" {view.efficiency_vs_limit:.0%} of it, bound by"
+        f" {BOTTLENECK_TEXT.get(view.bottleneck, view.bottleneck)}"
+    ]
+    if view.lifts:
+        shown = "; ".join(
+            f"{lift['what']} -> {lift['predicted_limit_samples_per_s']:,.0f}/s"
+            f" (+{lift['gain'] - 1:.0%})"
+            for lift in view.lifts[:3]
+        )
+        lines.append(f"  what would lift the limit (the model's prediction): {shown}")
+    return lines
+
+
 def print_summary(summary: StudySummary) -> None:
     """The Pareto front as a table, then the recommendation as paste-ready code."""
     out = console
@@ -453,6 +483,9 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
             f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s",
             soft_wrap=True,
         )
+    if rec.pipeline is not None:
+        for line in pipeline_lines(rec.pipeline, rec.point.params.batch_size):
+            out.print(line, soft_wrap=True, highlight=False)
     out.print(f"  rule: {rec.rule}", soft_wrap=True)
     out.print(
         Panel(

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.study._config import StudyConfig
+from loader_search.study._guide import Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ATTR,
@@ -118,9 +119,11 @@ def confirmations(
 @dataclass(frozen=True)
 class Take:
     """Take the next trial: a queued one first, else a new suggestion. With ``baseline``,
-    queue the baseline first (it is missing), so that it is the one taken."""
+    queue the baseline first (it is missing), so that it is the one taken; with ``propose``,
+    queue the pipeline model's proposals first (see `loader_search.study._guide`)."""
 
     baseline: bool = False
+    propose: tuple[Proposal, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ def decide(
     *,
     grid_size: int | None = None,
     hardware_class: str | None = None,
+    proposals: Sequence[Proposal] = (),
 ) -> Decision:
     """What a worker does next, given every trial of the study (read under the study lock),
     its ``budget`` as stored now, and its re-measurement settings.
@@ -162,7 +166,8 @@ def decide(
     A queued trial (a retry, the baseline, a re-measurement) is taken first. Else, while
     fewer than ``budget`` trials used it (running ones included: see `uses_budget`) and,
     for the grid sampler (``grid_size``: its number of combinations), a combination is left,
-    a new trial is taken, the baseline first when there is none. Once the budget is used:
+    a new trial is taken, the baseline first when there is none, then the model's
+    ``proposals`` (as many as the budget has room for). Once the budget is used:
     wait while trials run, then re-measure what `confirmations` finds missing (on
     ``hardware_class``'s trials), then stop.
     """
@@ -173,7 +178,9 @@ def decide(
         grid_size is not None and not combinations_left(trials, grid_size)
     )
     if not exhausted:
-        return Take(baseline=needs_baseline(trials))
+        if needs_baseline(trials):
+            return Take(baseline=True)
+        return Take(propose=tuple(proposals[: budget - used]))
     running = sum(t.state == TrialState.RUNNING for t in trials)
     if running:
         return Wait(running)

@@ -52,6 +52,9 @@ class SamplerConfig:
     multivariate: bool | None = None  # tpe
     n_startup_trials: int | None = None  # tpe
     population_size: int | None = None  # nsga2
+    # The pipeline model picks the first trials after the baseline (loader_search.study._guide);
+    # false: the sampler alone, for comparison. The grid sampler measures everything anyway.
+    model: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in SAMPLERS:
@@ -237,6 +240,7 @@ def _parse_sampler(table: Table) -> SamplerConfig:
         multivariate=table.bool("multivariate", None),
         n_startup_trials=table.int("n_startup_trials", None),
         population_size=table.int("population_size", None),
+        model=table.bool("model", True),
     )
     table.done()
     return config

@@ -34,8 +34,10 @@ from loader_search.study._keys import (
     LOADER_EFFICIENCY_ATTR,
     LR_ATTR,
     PARAMS_ATTR,
+    PIPELINE_ATTR,
     stored_params,
 )
+from loader_search.study._pipeline import PipelineModel
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,38 @@ class TrialPoint:
 
 
 @dataclass(frozen=True)
+class PipelineView:
+    """What the pipeline model says of the recommendation (see `loader_search.study._guide`):
+    the best its batch size can do on this machine, how close it comes, what bounds it and
+    what would lift the limit."""
+
+    limit_samples_per_s: float
+    limit_from: str  # "model", or "measurement" where a measured setting beat the model
+    efficiency_vs_limit: float
+    bottleneck: str  # device | loader_workers | main_process, for the recommended setting
+    predicted_samples_per_s: float
+    limit_params: LoaderParams  # the setting the model predicts reaches the limit
+    lifts: tuple[dict[str, Any], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "limit_samples_per_s": self.limit_samples_per_s,
+            "limit_from": self.limit_from,
+            "efficiency_vs_limit": self.efficiency_vs_limit,
+            "bottleneck": self.bottleneck,
+            "predicted_samples_per_s": self.predicted_samples_per_s,
+            "limit_params": self.limit_params.as_dict(),
+            "lifts": [dict(lift) for lift in self.lifts],
+        }
+
+
+@dataclass(frozen=True)
 class Recommendation:
     point: TrialPoint
     speedup_vs_baseline: float | None
     val_loss_change_vs_baseline: float | None  # relative: +0.01 is 1% worse
     rule: str
+    pipeline: PipelineView | None = None
 
     @property
     def snippet(self) -> str:
@@ -98,6 +127,7 @@ class Recommendation:
             "val_loss_change_vs_baseline": self.val_loss_change_vs_baseline,
             "rule": self.rule,
             "snippet": self.snippet,
+            "pipeline": self.pipeline.as_dict() if self.pipeline else None,
         }
 
 
@@ -291,8 +321,39 @@ def summarize(
     """The study's results, or those of one ``hardware_class`` (throughputs measured on
     different machines never compare). The Pareto set is that of the feasible completed
     trials (equal to Optuna's ``best_trials`` for a whole study), sorted fastest first."""
-    return summarize_trials(
+    summary = summarize_trials(
         study.study_name, study.get_trials(deepcopy=False), loss_tolerance, hardware_class
+    )
+    stored = study.user_attrs.get(PIPELINE_ATTR)
+    if summary.recommended is None or not isinstance(stored, dict) or not stored:
+        return summary
+    key = hardware_class if hardware_class is not None else next(iter(stored))
+    view = pipeline_view(stored.get(key), summary.recommended.point)
+    return replace(summary, recommended=replace(summary.recommended, pipeline=view))
+
+
+def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
+    """The stored pipeline model's word on ``point`` (None when there is none, or it is not
+    readable: the database is written by other hands too)."""
+    try:
+        entry = snapshot["batch_sizes"][str(point.params.batch_size)]
+        model = PipelineModel.from_dict(snapshot["model"])
+        limit = float(entry["limit_samples_per_s"])
+        prediction = model.predict(point.params)
+        limit_params = LoaderParams.from_dict(entry["limit_params"])
+        lifts = tuple(dict(lift) for lift in entry.get("lifts", ()))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if limit <= 0:
+        return None
+    return PipelineView(
+        limit_samples_per_s=limit,
+        limit_from=str(entry.get("limit_from", "model")),
+        efficiency_vs_limit=point.throughput / limit,
+        bottleneck=prediction.bottleneck,
+        predicted_samples_per_s=prediction.throughput,
+        limit_params=limit_params,
+        lifts=lifts,
     )
 
 

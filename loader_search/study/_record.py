@@ -35,6 +35,8 @@ from loader_search.study._keys import (
     LOADER_EFFICIENCY_ATTR,
     LOST,
     OOM_REASONS,
+    PREDICTED_ATTR,
+    PREDICTION_ERROR_ATTR,
     VAL_LOSS_FROM,
     stored_params,
 )
@@ -163,6 +165,10 @@ def _record(
         if ceiling:
             efficiency = result.throughput_samples_per_s / ceiling
             write(LOADER_EFFICIENCY_ATTR, efficiency)
+        predicted = trial.user_attrs.get(PREDICTED_ATTR)
+        if isinstance(predicted, float) and predicted > 0 and failure is None:
+            # How far the pipeline model was off (see loader_search.study._guide).
+            write(PREDICTION_ERROR_ATTR, result.throughput_samples_per_s / predicted - 1)
     write("trial_wall_time_s", outcome.wall_s)
     if outcome.isolated and outcome.wall_s > 0:
         write("isolation_overhead_s", outcome.overhead_s)  # fork, result transfer, teardown

@@ -216,6 +216,23 @@ class ResolvedSpace:
             return self.torch_threads
         return trial.suggest_int("torch_threads", self.torch_threads.low, self.torch_threads.high)
 
+    def trial_params(self, params: LoaderParams) -> dict[str, Any]:
+        """The Optuna parameters that make `suggest` return ``params`` (for
+        ``enqueue_trial``): only those this space suggests, as `suggest` names them."""
+        values: dict[str, Any] = {
+            "batch_size": params.batch_size,
+            "num_workers": params.num_workers,
+        }
+        if params.num_workers > 0:
+            values["prefetch_factor"] = params.prefetch_factor
+            if self.persistent_workers is None:
+                values["persistent_workers"] = params.persistent_workers
+        if self.pin_memory is None:
+            values["pin_memory"] = params.pin_memory
+        if isinstance(self.torch_threads, IntRange):
+            values["torch_threads"] = params.torch_threads
+        return values
+
     def baseline(self, batch_size: int) -> dict[str, Any]:
         """Trial parameters of the loader most users start from: their batch size, no workers,
         no pinning, and torch's default of one thread per usable CPU."""

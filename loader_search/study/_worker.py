@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from loader_search import interrupts
 from loader_search.errors import StudyAborted
@@ -35,12 +35,14 @@ from loader_search.study._budget import (
     FINISHED_STATES,
     Confirm,
     Done,
+    Take,
     Wait,
     confirm_settings,
     count_used,
     decide,
 )
 from loader_search.study._events import Reporter, Session, TrialEvent
+from loader_search.study._guide import Guide
 from loader_search.study._heartbeats import Every, Health, fail_stale_trials
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -49,7 +51,11 @@ from loader_search.study._keys import (
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     MIXED_HARDWARE_ATTR,
+    MODEL_ROUND_ATTR,
     PARAMS_ATTR,
+    PIPELINE_ATTR,
+    PREDICTED_ATTR,
+    PREDICTED_BOTTLENECK_ATTR,
     STUDY_HARDWARE_ATTR,
 )
 from loader_search.study._machine import hardware_mismatch
@@ -93,12 +99,18 @@ def _take_trial(
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
         grid = session.config.sampler.name == "grid"
+        trials = study.get_trials(deepcopy=False)
+        guide = _guide(session)
+        model = guide.model(trials) if guide is not None else None
+        if guide is not None:
+            _store_pipeline(session, attrs, guide, trials)
         decision = decide(
-            study.get_trials(deepcopy=False),
+            trials,
             int(attrs.get(BUDGET_ATTR, session.budget)),
             confirm_settings(attrs, session.config),
             grid_size=session.space.size() if grid else None,
             hardware_class=session.hardware.hardware_class,
+            proposals=guide.proposals(trials) if guide is not None and not grid else (),
         )
         if isinstance(decision, Done):
             return None
@@ -117,6 +129,12 @@ def _take_trial(
             study.enqueue_trial(
                 session.space.baseline(batch_size), user_attrs={BASELINE_ATTR: True}
             )
+        for proposal in decision.propose if isinstance(decision, Take) else ():
+            study.enqueue_trial(
+                session.space.trial_params(proposal.params),
+                user_attrs={MODEL_ROUND_ATTR: proposal.round},
+                skip_if_exists=False,
+            )
         trial = study.ask()
         try:
             study._storage.record_heartbeat(trial._trial_id)  # type: ignore[attr-defined]
@@ -128,6 +146,10 @@ def _take_trial(
             trial.set_user_attr(PARAMS_ATTR, params.as_dict())
             trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
             trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
+            if model is not None:  # what the model expects, to check it once measured
+                prediction = model.predict(params)
+                trial.set_user_attr(PREDICTED_ATTR, prediction.throughput)
+                trial.set_user_attr(PREDICTED_BOTTLENECK_ATTR, prediction.bottleneck)
         except KeyboardInterrupt:
             record_interrupted(study, trial)
             raise
@@ -136,6 +158,31 @@ def _take_trial(
                 study.tell(trial, state=TrialState.FAIL)
             raise
     return trial, params
+
+
+def _guide(session: Session) -> Guide | None:
+    """The pipeline model for this worker's machine class, unless the config turned it off."""
+    if not session.config.sampler.model:
+        return None
+    hardware = session.hardware
+    cuda = session.device.type == "cuda"
+    return Guide(
+        session.space, "cuda" if cuda else "cpu", hardware.usable_cpus, hardware.hardware_class
+    )
+
+
+def _store_pipeline(
+    session: Session, attrs: Mapping[str, Any], guide: Guide, trials: list[FrozenTrial]
+) -> None:
+    """Keep the study's pipeline model (per hardware class) in step with its trials, for
+    `best` and the report; written only when it changed."""
+    snapshot = guide.snapshot(trials)
+    if snapshot is None:
+        return
+    stored = dict(attrs.get(PIPELINE_ATTR) or {})
+    if stored.get(session.hardware.hardware_class) != snapshot:
+        stored[session.hardware.hardware_class] = snapshot
+        session.study.set_user_attr(PIPELINE_ATTR, stored)
 
 
 def _bind_hardware(session: Session, attrs: Mapping[str, Any]) -> None:

@@ -34,6 +34,8 @@ from loader_search.params import (
 )
 from loader_search.trial._loader import build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
+from loader_search.trial._stages import StageCosts, StageMeter, TimedCollate, timed_dataset
+from loader_search.trial._system import usable_cpus
 from loader_search.workloads import Workload
 
 # Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
@@ -104,6 +106,12 @@ class TrialResult:
     short_train_time_s: float | None = None
     full_window_throughput_samples_per_s: float | None = None
     ceiling_samples_per_s: float | None = None
+    # Stage costs over the same window (see `loader_search.trial._stages`).
+    producer_cpu_s_per_sample: float | None = None
+    collate_cpu_s_per_batch: float | None = None
+    main_cpu_s_per_batch: float | None = None
+    cpu_used_cores: float | None = None
+    cpus_available: int | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -133,7 +141,7 @@ def run_trial(
     (and what ``plan`` asks, see `RunPlan`).
 
     ``progress`` is called after every training step and every evaluation batch: it is the
-    heartbeat `loader_search.trial._supervisor` watches to tell a slow trial from a hung one.
+    progress ping `loader_search.trial._supervisor` watches to tell a slow trial from a hung one.
     It must be cheap (it runs inside the timed window).
 
     Raises `TrainingDiverged` when the loss becomes non-finite, and ``ValueError`` when the
@@ -152,7 +160,7 @@ def run_trial(
     lr = scaled_lr(
         settings.lr if settings.lr is not None else workload.base_lr,
         params.batch_size,
-        settings.base_batch_size,
+        settings.batch_size,
         settings.lr_scaling,
     )
     sync = _sync_for(device)
@@ -167,19 +175,29 @@ def run_trial(
         with PeakRSS() as rss:
             train_start = time.perf_counter()
             loader = build_loader(
-                workload.train_dataset,
+                timed_dataset(workload.train_dataset),
                 params,
                 shuffle=True,
                 seed=settings.seed,
-                collate_fn=workload.collate_fn,
+                collate_fn=TimedCollate(workload.collate_fn),
             )
             meter = StepMeter(warmup, sync)
+            stages = StageMeter(usable_cpus())
             mark = _Mark(plan.short_samples, train_start)
             budget = settings.train_samples
             if plan.stop_early and plan.short_samples is not None:
                 budget = min(budget, plan.short_samples)
-            last_loss, epochs, stats = _train(
-                model, optimizer, workload, loader, meter, budget, device, params, tick, mark
+            last_loss, epochs, stats, costs = _train(
+                model,
+                optimizer,
+                workload,
+                loader,
+                (meter, stages),
+                budget,
+                device,
+                params,
+                tick,
+                mark,
             )
             del loader  # shuts down persistent workers before evaluation
             train_time = time.perf_counter() - train_start
@@ -206,6 +224,7 @@ def run_trial(
     finally:
         torch.set_num_threads(previous_threads)
     window = mark.stats or stats
+    window_costs = mark.costs or costs
     return TrialResult(
         throughput_samples_per_s=window.throughput,
         val_loss=val_loss,
@@ -231,6 +250,11 @@ def run_trial(
             stats.throughput if mark.stats and not plan.stop_early else None
         ),
         ceiling_samples_per_s=ceiling,
+        producer_cpu_s_per_sample=window_costs.producer_cpu_s_per_sample,
+        collate_cpu_s_per_batch=window_costs.collate_cpu_s_per_batch,
+        main_cpu_s_per_batch=window_costs.main_cpu_s_per_batch,
+        cpu_used_cores=window_costs.cpu_used,
+        cpus_available=window_costs.cpus_available,
     )
 
 
@@ -241,13 +265,15 @@ class _Mark:
         self.samples = samples
         self._started = started
         self.stats: WindowStats | None = None
+        self.costs: StageCosts | None = None
         self.elapsed_s: float | None = None
 
-    def reached(self, seen: int, meter: StepMeter) -> None:
+    def reached(self, seen: int, meter: StepMeter, stages: StageMeter) -> None:
         if self.samples is None or self.stats is not None or seen < self.samples:
             return
         if meter.measured_samples > 0:  # too early a mark has no window: no reading
             self.stats = meter.snapshot()
+            self.costs = stages.snapshot()
             self.elapsed_s = time.perf_counter() - self._started
 
 
@@ -309,48 +335,59 @@ def _train(
     optimizer: torch.optim.Optimizer,
     workload: Workload,
     loader: DataLoader[Any],
-    meter: StepMeter,
+    meters: tuple[StepMeter, StageMeter],
     budget: int,
     device: torch.device,
     params: LoaderParams,
     progress: Callable[[], None],
     mark: _Mark,
-) -> tuple[torch.Tensor, int, WindowStats]:
+) -> tuple[torch.Tensor, int, WindowStats, StageCosts]:
     """The training loop; returns the last batch's loss (a tensor: no per-step device sync),
-    the epochs begun and the measured window."""
+    the epochs begun, the measured window and its stage costs. The loader yields
+    `TimedBatch`es (see `loader_search.trial._stages`)."""
+    meter, stages = meters
     model.train()
     meter.start()
     iterator = iter(loader)
     epochs = 1
     seen = 0
     loss = torch.zeros(())
+    in_process = params.num_workers == 0
     while seen < budget:
         meter.wait_begin()
+        cpu_before = time.thread_time()
         try:
-            inputs, targets = next(iterator)
+            timed = next(iterator)
         except StopIteration:  # next epoch: the restart's wait is real loading time
             epochs += 1
             iterator = iter(loader)
-            inputs, targets = next(iterator)
+            timed = next(iterator)
         meter.wait_end()
+        stages.received(timed, time.thread_time() - cpu_before, in_process)
+        inputs, targets = timed.batch
         n = min(len(targets), budget - seen)
         if n < len(targets):  # the budget is exact, whatever the batch size
             inputs, targets = inputs[:n], targets[:n]
+        cpu_before = time.thread_time()
         inputs = inputs.to(device, non_blocking=params.pin_memory)
         targets = targets.to(device, non_blocking=params.pin_memory)
+        stages.copied(time.thread_time() - cpu_before)
         loss = workload.loss_fn(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         seen += n
         meter.step(n)
-        mark.reached(seen, meter)
+        if meter.in_window and not stages.is_open:
+            stages.open()  # the same batches as the throughput window
+        mark.reached(seen, meter, stages)
         progress()
     # The window closes before the iterator is dropped: shutting workers down is not training,
     # and persistent and non-persistent loaders must be timed alike.
     stats = meter.finish()
+    costs = stages.snapshot()
     del iterator
-    return loss.detach(), epochs, stats
+    return loss.detach(), epochs, stats, costs
 
 
 def _evaluate(

@@ -1,0 +1,236 @@
+"""Model-guided search: the pipeline model (`loader_search.study._pipeline`) read from a study's
+trials, the settings it asks to measure, and what it says about the answer.
+
+Optuna stays the engine. After the baseline, the model's predicted optimum of each batch size
+is queued as ordinary trials (``enqueue_trial``), fastest predicted first (round 1). Once they
+have run, the model is fitted again on what they measured, and each batch size whose optimum
+moved, or whose prediction missed by more than `UNSURE_ERROR`, gets that setting too (round 2).
+Then the configured sampler goes on, with every model trial in its history. The
+recommendation always rests on real measurements; the model only chooses what to measure and
+explains the result (the pipeline limit of a batch size, what bounds it, what would lift it).
+
+Pure: everything here is computed from the trials given (the worker reads them under the study
+lock, the benchmarks' replay from its own study), so every worker of a team agrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from statistics import median
+from typing import Any, Literal
+
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.params import LoaderParams
+from loader_search.study._keys import (
+    CEILING_ATTR,
+    COLLATE_COST,
+    MAIN_COST,
+    MODEL_ROUND_ATTR,
+    PREDICTED_ATTR,
+    PRODUCER_COST,
+    stored_params,
+    trial_hardware_class,
+)
+from loader_search.study._pipeline import Observation, PipelineModel, Prediction, fit
+from loader_search.study._recommend import is_feasible
+from loader_search.study._space import ResolvedSpace
+
+ROUNDS = 2
+UNSURE_ERROR = 0.10  # a round-1 trial this far off its prediction: its batch size is unsure
+# What-ifs the answer offers, as factors on the model's demands (see `lifts`).
+CACHED_FETCH = 0.05  # indexing a pre-decoded tensor: ~20x cheaper than decoding (FACTS.md)
+CHEAPER_TRANSFORMS = 0.5
+GPU_DECODE = 0.2  # what stays on the CPU when decoding moves to the GPU: reading the bytes
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A setting the model asks to measure, with what it predicts."""
+
+    params: LoaderParams
+    predicted: float
+    round: int
+
+
+@dataclass(frozen=True)
+class Guide:
+    """The model for one study on one class of machine."""
+
+    space: ResolvedSpace
+    device: Literal["cpu", "cuda"]
+    cpus: int
+    hardware_class: str | None = None
+
+    def observations(self, trials: Sequence[FrozenTrial]) -> list[Observation]:
+        """Completed, feasible trials of this machine class, as the model reads them."""
+        found = []
+        for trial in trials:
+            if trial.state != TrialState.COMPLETE or not is_feasible(trial) or not trial.values:
+                continue
+            if self.hardware_class is not None and (
+                trial_hardware_class(trial) != self.hardware_class
+            ):
+                continue
+            params = stored_params(trial)
+            if params is None:
+                continue
+            attrs = trial.user_attrs
+            found.append(
+                Observation(
+                    params,
+                    float(trial.values[0]),
+                    attrs.get(CEILING_ATTR),
+                    attrs.get(PRODUCER_COST),
+                    attrs.get(COLLATE_COST),
+                    attrs.get(MAIN_COST),
+                )
+            )
+        return found
+
+    def model(self, trials: Sequence[FrozenTrial]) -> PipelineModel | None:
+        return fit(self.observations(trials), self.device, self.cpus)
+
+    def proposals(self, trials: Sequence[FrozenTrial]) -> list[Proposal]:
+        """What the model asks to measure next: nothing while a round is queued or running,
+        or before the baseline (with its stage costs and ceiling) has completed."""
+        rounds = [t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials]
+        done = max((r for r in rounds if isinstance(r, int)), default=0)
+        if done >= ROUNDS:
+            return []
+        pending = (TrialState.WAITING, TrialState.RUNNING)
+        if any(t.state in pending and t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials):
+            return []
+        model = self.model(trials)
+        if model is None:
+            return []
+        tried = {o.params for o in self.observations(trials)} | {
+            p for p in (stored_params(t) for t in trials if t.state in pending) if p is not None
+        }
+        round_ = done + 1
+        wanted = []
+        for batch in self.space.batch_sizes:
+            if round_ == 1:
+                best = model.best(batch, self.space)
+                if best.params not in tried:
+                    wanted.append(Proposal(best.params, best.throughput, round_))
+                continue
+            if not self._unsure(trials, batch, model.best(batch, self.space)):
+                continue
+            # The refitted optimum, or when it was measured already, its runner-up.
+            ranked = sorted(
+                (model.predict(p) for p in model.candidates(batch, self.space)),
+                key=lambda p: -p.throughput,
+            )
+            untried = [p for p in ranked if p.params not in tried]
+            if untried:
+                wanted.append(Proposal(untried[0].params, untried[0].throughput, round_))
+        return sorted(wanted, key=lambda p: -p.predicted)
+
+    def _unsure(self, trials: Sequence[FrozenTrial], batch: int, best: Prediction) -> bool:
+        """After round 1: a batch size is worth a second model trial when its round-1 trial
+        missed its prediction, or its refitted optimum is another setting."""
+        for trial in trials:
+            params = stored_params(trial)
+            if params is None or params.batch_size != batch or trial.values is None:
+                continue
+            predicted = trial.user_attrs.get(PREDICTED_ATTR)
+            if trial.user_attrs.get(MODEL_ROUND_ATTR) == 1 and isinstance(predicted, float):
+                if abs(trial.values[0] / predicted - 1) > UNSURE_ERROR:
+                    return True
+                return params != best.params
+        return True  # its round-1 trial did not complete: measure the refitted optimum
+
+    def predict(self, trials: Sequence[FrozenTrial], params: LoaderParams) -> Prediction | None:
+        model = self.model(trials)
+        return model.predict(params) if model is not None else None
+
+    def snapshot(self, trials: Sequence[FrozenTrial]) -> dict[str, Any] | None:
+        """The model, the limit of each batch size and what would lift it: stored with the
+        study (`PIPELINE_ATTR`) for `best`, the report and people."""
+        model = self.model(trials)
+        if model is None:
+            return None
+        measured = _measured_best(self.observations(trials))
+        batches = {}
+        for batch in self.space.batch_sizes:
+            best = model.best(batch, self.space)
+            limit, params, source = best.throughput, best.params, "model"
+            if batch in measured and measured[batch][0] > limit:
+                # A limit below what was measured is the model's error: the measurement stands.
+                (limit, params), source = measured[batch], "measurement"
+            batches[str(batch)] = {
+                "limit_samples_per_s": limit,
+                "limit_from": source,
+                "bottleneck": best.bottleneck,
+                "extrapolated": best.extrapolated,
+                "limit_params": params.as_dict(),
+                "lifts": lifts(model, self.space, batch),
+            }
+        return {"model": model.as_dict(), "batch_sizes": batches}
+
+
+def _measured_best(observations: Sequence[Observation]) -> dict[int, tuple[float, LoaderParams]]:
+    """Per batch size, the setting with the highest median throughput (repeats are one)."""
+    readings: dict[LoaderParams, list[float]] = {}
+    for o in observations:
+        readings.setdefault(o.params, []).append(o.throughput)
+    best: dict[int, tuple[float, LoaderParams]] = {}
+    for params, values in readings.items():
+        value = median(values)
+        if value > best.get(params.batch_size, (0.0, params))[0]:
+            best[params.batch_size] = (value, params)
+    return best
+
+
+def lifts(model: PipelineModel, space: ResolvedSpace, batch: int) -> list[dict[str, Any]]:
+    """What would lift the limit of ``batch``, with the model's predicted limit after each
+    (largest gain first): twice the CPUs, samples cached decoded, transforms half as costly,
+    decoding on the GPU (CUDA only), and the best other batch size (whose validation loss
+    differs: see the Pareto front)."""
+    limit = model.best(batch, space).throughput
+    options: list[tuple[str, str, float]] = []  # (lever, what, predicted limit)
+    more = replace(space, usable_cpus=space.usable_cpus * 2, num_workers=_doubled(space))
+    options.append(
+        (
+            "more_cpus",
+            f"twice the CPUs ({model.cpus * 2})",
+            replace(model, cpus=model.cpus * 2).best(batch, more).throughput,
+        )
+    )
+    for lever, text, factor in (
+        ("cache_decoded", "caching decoded samples (in memory or on disk)", CACHED_FETCH),
+        ("cheaper_transforms", "transforms half as costly", CHEAPER_TRANSFORMS),
+        ("gpu_decode", "decoding and augmenting on the GPU", GPU_DECODE),
+    ):
+        if lever == "gpu_decode" and model.device != "cuda":
+            continue
+        cheaper = replace(model, fetch_s=model.fetch_s * factor)
+        options.append((lever, text, cheaper.best(batch, space).throughput))
+    others = [b for b in space.batch_sizes if b != batch]
+    if others:
+        other = max(others, key=lambda b: model.best(b, space).throughput)
+        options.append(
+            (
+                "batch_size",
+                f"batch size {other} (its validation loss differs)",
+                model.best(other, space).throughput,
+            )
+        )
+    return [
+        {
+            "lever": lever,
+            "what": text,
+            "predicted_limit_samples_per_s": predicted,
+            "gain": predicted / limit,
+        }
+        for lever, text, predicted in sorted(options, key=lambda o: -o[2])
+        if predicted > limit * 1.02
+    ]
+
+
+def _doubled(space: ResolvedSpace) -> Any:
+    """The worker range on a machine with twice the CPUs (its top end doubled)."""
+    workers = space.num_workers
+    return replace(workers, high=max(workers.high, workers.high * 2))

@@ -1,0 +1,167 @@
+"""Model-guided search on real tiny studies: every trial measures its stage costs, the model's
+proposals run right after the baseline, its predictions and their errors are stored, and the
+answer names the pipeline limit and the bottleneck (`best --json`). Real SQLite, real
+training, real Optuna; the pure parts on hand-made trials."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._guide import Guide
+from loader_search.study._keys import (
+    MODEL_ROUND_ATTR,
+    PIPELINE_ATTR,
+    PREDICTED_ATTR,
+    PREDICTION_ERROR_ATTR,
+)
+from loader_search.study._session import run_study
+from loader_search.study._space import CpuRange, IntRange, SearchSpace
+from loader_search.workloads import Workload
+from tests.conftest import TINY_CONFIG, run_cli
+
+SPACE = SearchSpace(
+    batch_sizes=(16, 32),
+    num_workers=CpuRange(0, 1),
+    prefetch_factor=IntRange(1, 2),
+    persistent_workers=None,
+    torch_threads=1,
+)
+CONFIG = StudyConfig(
+    confirm_top=0,
+    name="guided",
+    trials=5,
+    device="cpu",
+    sampler=SamplerConfig(name="random"),
+    training=TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64),
+    space=SPACE,
+)
+STAGE_COSTS = (
+    "producer_cpu_s_per_sample",
+    "collate_cpu_s_per_batch",
+    "main_cpu_s_per_batch",
+    "cpu_used_cores",
+    "cpus_available",
+)
+
+
+def test_the_model_picks_the_trials_after_the_baseline(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    summary = run_study(CONFIG, workload=tiny_workload, storage=sqlite_url)
+    study = optuna.load_study(study_name="guided", storage=sqlite_url)
+    trials = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(trials) == 5
+    baseline, *rest = trials
+    assert baseline.user_attrs["baseline"] is True
+    for trial in trials:  # every trial measured its stages, with units in the names
+        for key in STAGE_COSTS:
+            assert trial.user_attrs[key] > 0, (trial.number, key)
+        assert trial.user_attrs["cpus_available"] >= 1
+    # Round 1: the model's best setting of each batch size, right after the baseline.
+    first_round = [t for t in rest if t.user_attrs.get(MODEL_ROUND_ATTR) == 1]
+    assert first_round and [t.number for t in first_round] == list(range(1, 1 + len(first_round)))
+    assert {t.user_attrs["loader_params"]["batch_size"] for t in first_round} <= {16, 32}
+    # Every trial after the baseline was predicted, and its error is what was measured.
+    for trial in rest:
+        predicted = trial.user_attrs[PREDICTED_ATTR]
+        error = trial.user_attrs[PREDICTION_ERROR_ATTR]
+        assert error == pytest.approx(trial.values[0] / predicted - 1)
+    # The model is stored with the study, and the answer reads it.
+    stored = study.user_attrs[PIPELINE_ATTR]
+    (snapshot,) = stored.values()
+    assert set(snapshot["batch_sizes"]) == {"16", "32"}
+    assert snapshot["model"]["fetch_cpu_s_per_sample"] > 0
+    assert summary.recommended is not None  # the run's own summary predates the last write
+    pipeline = summary.recommended.pipeline
+    assert pipeline is not None
+    assert pipeline.bottleneck in ("device", "loader_workers", "main_process")
+    assert 0 < pipeline.efficiency_vs_limit <= 1.0
+
+
+def test_best_json_names_the_limit_and_the_bottleneck(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_CONFIG.format(trials=4))
+    url = f"sqlite:///{tmp_path / 'guided.db'}"
+    env = {"LOADER_SEARCH_LOCK_DIR": str(tmp_path / "locks")}
+    assert run_cli("run", str(config), "--storage", url, env=env).returncode == 0
+    shown = run_cli("best", "tiny", "--storage", url, "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    recommended = json.loads(shown.stdout)["recommended"]
+    pipeline = recommended["pipeline"]
+    assert pipeline["bottleneck"] in ("device", "loader_workers", "main_process")
+    assert pipeline["limit_samples_per_s"] >= recommended["throughput"]
+    assert pipeline["efficiency_vs_limit"] == pytest.approx(
+        recommended["throughput"] / pipeline["limit_samples_per_s"]
+    )
+    for lift in pipeline["lifts"]:
+        assert lift["gain"] > 1 and lift["predicted_limit_samples_per_s"] > 0
+    text = run_cli("best", "tiny", "--storage", url, env=env).stdout
+    assert "pipeline limit at batch" in text
+
+
+def test_the_model_can_be_turned_off(tiny_workload: Workload, sqlite_url: str) -> None:
+    config = dataclasses.replace(
+        CONFIG, sampler=SamplerConfig(name="random", model=False), trials=3
+    )
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    study = optuna.load_study(study_name="guided", storage=sqlite_url)
+    assert not any(MODEL_ROUND_ATTR in t.user_attrs for t in study.trials)
+    assert not any(PREDICTED_ATTR in t.user_attrs for t in study.trials)
+    assert PIPELINE_ATTR not in study.user_attrs
+
+
+def _trial(params: LoaderParams, throughput: float, **attrs: object) -> optuna.trial.FrozenTrial:
+    user_attrs = {
+        "loader_params": params.as_dict(),
+        "producer_cpu_s_per_sample": 1e-4,
+        "collate_cpu_s_per_batch": 1e-4 * params.batch_size / 10,
+        "main_cpu_s_per_batch": 1e-4 * params.batch_size / 10,
+        **attrs,
+    }
+    return optuna.trial.create_trial(
+        params={},
+        distributions={},
+        values=[throughput, 1.0],
+        user_attrs=user_attrs,
+    )
+
+
+def test_proposals_wait_for_the_baseline_and_each_round_to_finish() -> None:
+    space = SearchSpace(
+        batch_sizes=(32, 64), num_workers=CpuRange(0, 2), persistent_workers=None
+    ).resolve(2, cuda=False)
+    guide = Guide(space, "cpu", 2)
+    base_params = LoaderParams(64, torch_threads=2)
+    assert guide.proposals([]) == []  # nothing measured: nothing to fit
+    baseline = _trial(base_params, 5_000.0, baseline=True, ceiling_samples_per_s=10_000.0)
+    first = guide.proposals([baseline])
+    assert {p.params.batch_size for p in first} == {32, 64}
+    assert all(p.round == 1 and p.params != base_params for p in first)
+    assert [p.predicted for p in first] == sorted((p.predicted for p in first), reverse=True)
+    # While round 1 is queued, nothing more is proposed.
+    queued = optuna.trial.create_trial(state=TrialState.WAITING, user_attrs={MODEL_ROUND_ATTR: 1})
+    assert guide.proposals([baseline, queued]) == []
+    # Round 1 measured exactly as predicted: round 2 has nothing to check.
+    round_one = {MODEL_ROUND_ATTR: 1, "ceiling_samples_per_s": 8e3}
+    done = [
+        _trial(p.params, p.predicted, **round_one, **{PREDICTED_ATTR: p.predicted}) for p in first
+    ]
+    second = guide.proposals([baseline, *done])
+    assert all(p.round == 2 for p in second)
+    # A round-1 trial far off its prediction makes its batch size worth a second look.
+    missed = first[0]
+    off = _trial(
+        missed.params, missed.predicted * 0.5, **round_one, **{PREDICTED_ATTR: missed.predicted}
+    )
+    again = guide.proposals([baseline, off, *done[1:]])
+    assert any(p.params.batch_size == missed.params.batch_size for p in again)
+    assert math.isfinite(sum(p.predicted for p in again))
