@@ -14,8 +14,6 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-# Heavy modules (torch, optuna) are imported inside the commands: `--help` and input errors
-# answer at once.
 from loader_search.cli._console import (
     DEBUG_ENV,
     StudyRow,
@@ -25,12 +23,14 @@ from loader_search.cli._console import (
     print_dashboard_ready,
     print_studies,
     print_study_ready,
-    print_summaries,
-    print_summary,
     report_destination,
     reports_errors,
     write_report,
 )
+
+# Heavy modules (torch, optuna) are imported inside the commands: `--help` and input errors
+# answer at once.
+from loader_search.cli._summary import print_summaries, print_summary
 from loader_search.errors import UserError
 from loader_search.team._storage import STORAGE_ENV, mask_url
 

@@ -1,0 +1,170 @@
+"""The answer of a study as a person reads it: the Pareto front table, the baseline, the
+recommendation with its measurements, the pipeline model's word on it, and the DataLoader
+snippet (`best`, and the end of `run` and `worker`); or the same as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+
+from loader_search.cli._console import console
+
+if TYPE_CHECKING:
+    from loader_search.study._recommend import PipelineView, StudySummary
+
+
+def print_summaries(summaries: Sequence[StudySummary], *, as_json: bool = False) -> None:
+    """`best`: one study summary as tables (or JSON), or one per hardware class of a study run
+    on several machines, each under a rule naming its class: throughputs from different
+    machines never compare, so they are never in one table."""
+    if as_json:
+        if len(summaries) == 1:
+            document: dict[str, Any] = summaries[0].as_dict()
+        else:
+            document = {"hardware_classes": [s.as_dict() for s in summaries]}
+        print(json.dumps(document, indent=2))
+        return
+    if len(summaries) == 1:
+        print_summary(summaries[0])
+        return
+    for summary in summaries:
+        console.rule(f"hardware class {summary.hardware_class}")
+        print_summary(summary)
+
+
+BOTTLENECK_TEXT = {
+    "device": "the training step itself (the device)",
+    "loader_workers": "the loader workers' CPU",
+    "main_process": "the training process receiving and copying batches",
+}
+
+
+def pipeline_lines(view: PipelineView, batch_size: int) -> list[str]:
+    """The pipeline model's word on the recommendation, for people (`best`, `run`)."""
+    source = (
+        "the model's best setting"
+        if view.limit_from == "model"
+        else "measured, above the model's prediction"
+    )
+    lines = [
+        f"  pipeline limit at batch {batch_size}: {view.limit_samples_per_s:,.0f} samples/s"
+        f" ({source}, {view.limit_params.describe()}); this setting reaches"
+        f" {view.efficiency_vs_limit:.0%} of it, bound by"
+        f" {BOTTLENECK_TEXT.get(view.bottleneck, view.bottleneck)}"
+    ]
+    if view.lifts:
+        shown = "; ".join(
+            f"{lift['what']} -> {lift['predicted_limit_samples_per_s']:,.0f}/s"
+            f" (+{lift['gain'] - 1:.0%})"
+            for lift in view.lifts[:3]
+        )
+        lines.append(f"  what would lift the limit (the model's prediction): {shown}")
+    return lines
+
+
+def print_summary(summary: StudySummary) -> None:
+    """The Pareto front as a table, then the recommendation as paste-ready code."""
+    out = console
+    trials = f"{summary.n_complete} complete, {summary.n_failed} failed"
+    if summary.n_infeasible:
+        trials += f", {summary.n_infeasible} infeasible"
+    if summary.n_running:
+        trials += f", {summary.n_running} running"
+    if not summary.pareto:
+        out.print(escape(f"Study {summary.study_name}: {trials}; no completed trial yet."))
+        return
+    base = summary.baseline
+    table = Table(title=escape(f"Pareto front of {summary.study_name} ({trials})"))
+    columns = ("#", "batch", "workers", "prefetch", "persist", "pin", "threads", "samples/s")
+    for column in (*columns, "spread", "eff", "val_loss", "speedup"):
+        table.add_column(column, justify="right", no_wrap=True)
+    recommended = summary.recommended.point.number if summary.recommended else None
+    for point in summary.pareto:
+        p = point.params
+        marks = (" *" if point.number == recommended else "") + (" b" if point.is_baseline else "")
+        table.add_row(
+            f"{point.number}{marks}",
+            str(p.batch_size),
+            str(p.num_workers),
+            str(p.prefetch_factor) if p.prefetch_factor else "-",
+            "yes" if p.persistent_workers else "no",
+            "yes" if p.pin_memory else "no",
+            str(p.torch_threads),
+            f"{point.throughput:,.0f}",
+            f"{point.spread:.0%} of {len(point.measurements)}"
+            if point.spread is not None
+            else "-",
+            f"{point.loader_efficiency:.0%}" if point.loader_efficiency else "-",
+            f"{point.val_loss:.4f}",
+            f"{point.throughput / base.throughput:.2f}x" if base else "-",
+        )
+    out.print(table)
+    out.print(
+        "  * recommended   b baseline   spread: (max-min)/median of repeated measurements\n"
+        "  eff: loader efficiency, samples/s / the same model fed pre-decoded data",
+        soft_wrap=True,
+    )
+    if base is not None:
+        measured = ""
+        if base.measurements:
+            values = ", ".join(f"{v:,.0f}" for v in base.measurements)
+            measured = f" (median of {len(base.measurements)} trials: {values})"
+        out.print(
+            f"Baseline (trial #{base.number}, {base.params.describe()}):"
+            f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}",
+            soft_wrap=True,
+        )
+    _print_recommendation(summary, out)
+
+
+def _print_recommendation(summary: StudySummary, out: Console) -> None:
+    """The recommendation's headline, how sure it is, its rule, and the snippet to paste."""
+    rec = summary.recommended
+    if rec is None:
+        return
+    headline = (
+        f"[bold]Recommended:[/] trial #{rec.point.number}, {rec.point.throughput:,.0f} samples/s"
+    )
+    if rec.point.is_baseline:
+        headline = (
+            f"[bold]Recommended: keep the baseline[/] (trial #{rec.point.number}): no faster"
+            " setting within the loss tolerance was found; try more trials"
+        )
+    elif rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
+        headline += (
+            f" = [bold]{rec.speedup_vs_baseline:.2f}x the baseline[/], val_loss"
+            f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
+        )
+    out.print(headline, soft_wrap=True)
+    if rec.point.measurements and not rec.point.is_baseline:
+        values = ", ".join(f"{v:,.0f}" for v in rec.point.measurements)
+        out.print(
+            f"  measured {len(rec.point.measurements)} times (trials"
+            f" {', '.join(f'#{n}' for n in rec.point.numbers)}): {values} samples/s,"
+            f" spread {rec.point.spread:.0%}; the median counts",
+            soft_wrap=True,
+        )
+    if rec.point.loader_efficiency:
+        out.print(
+            f"  loader efficiency {rec.point.loader_efficiency:.0%}: the same model fed"
+            " pre-decoded data already on the device trains"
+            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s",
+            soft_wrap=True,
+        )
+    if rec.pipeline is not None:
+        for line in pipeline_lines(rec.pipeline, rec.point.params.batch_size):
+            out.print(line, soft_wrap=True, highlight=False)
+    out.print(f"  rule: {rec.rule}", soft_wrap=True)
+    out.print(
+        Panel(
+            Syntax(rec.snippet, "python", theme="ansi_dark", background_color="default"),
+            expand=False,
+        )
+    )
