@@ -102,6 +102,11 @@ class Session:
     device: torch.device
     hardware: Hardware
     budget: int  # as the study stored it when this worker started; re-read before each trial
+    # The storage the study was opened with (`loader_search.team._storage.open_storage`): its
+    # engine carries the study lock, and its id the lock's key. Public routes, where the
+    # study's own storage is Optuna's private cache around it.
+    rdb: optuna.storages.RDBStorage
+    study_id: int
     cpus: Sequence[int] | None = None
     gpu: int | None = None
     allow_mixed_hardware: bool = False

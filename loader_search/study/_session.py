@@ -379,16 +379,20 @@ def prepare_session(
     )
     if here is None or machine is None:
         return info, None  # `init`: no trial runs here
+    device, hardware = here
     return info, Session(
-        study,
-        config,
-        workload,
-        space,
-        *here,
-        budget,
-        machine.cpus,
-        machine.gpu,
-        machine.allow_mixed_hardware,
+        study=study,
+        config=config,
+        workload=workload,
+        space=space,
+        device=device,
+        hardware=hardware,
+        budget=budget,
+        rdb=rdb,
+        study_id=rdb.get_study_id_from_name(study.study_name),
+        cpus=machine.cpus,
+        gpu=machine.gpu,
+        allow_mixed_hardware=machine.allow_mixed_hardware,
     )
 
 

@@ -74,12 +74,6 @@ def count_finished(study: optuna.Study) -> int:
     return count_used(study.get_trials(deepcopy=False), FINISHED_STATES)
 
 
-def _engine(study: optuna.Study) -> Any:
-    """The SQLAlchemy engine under the study's (cached) RDB storage."""
-    storage: Any = study._storage
-    return getattr(storage, "_backend", storage).engine
-
-
 def _take_trial(
     session: Session, health: Health
 ) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
@@ -94,7 +88,7 @@ def _take_trial(
     """
     study = session.study
     grace = session.config.workers.grace_period_s
-    with study_lock(_engine(study), study._study_id):
+    with study_lock(session.rdb.engine, session.study_id):
         fail_stale_trials(study, health, grace)
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
@@ -137,7 +131,7 @@ def _take_trial(
             )
         trial = study.ask()
         try:
-            study._storage.record_heartbeat(trial._trial_id)  # type: ignore[attr-defined]
+            session.rdb.record_heartbeat(trial._trial_id)
             with warnings.catch_warnings():  # main thread only
                 if trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR):
                     # The baseline (num_workers=0) may sit outside a searched range.
@@ -273,7 +267,7 @@ def _unreachable(health: Health, reporter: Reporter, exc: BaseException, pause: 
 
 def _sweep(session: Session, health: Health) -> None:
     study = session.study
-    with study_lock(_engine(study), study._study_id):
+    with study_lock(session.rdb.engine, session.study_id):
         fail_stale_trials(study, health, session.config.workers.grace_period_s)
 
 
@@ -285,10 +279,9 @@ def _run_one(
     params: LoaderParams,
 ) -> Recorded:
     study = session.study
-    storage = study._storage
     heartbeat = Every(
         session.config.workers.heartbeat_interval_s,
-        lambda: storage.record_heartbeat(trial._trial_id),  # type: ignore[attr-defined]
+        lambda: session.rdb.record_heartbeat(trial._trial_id),
         lambda error: reporter.warning(f"cannot write trial #{trial.number}'s heartbeat: {error}"),
         health,
     )
