@@ -15,6 +15,22 @@ from loader_search.workloads.synthetic_images import synthetic_images
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+@pytest.fixture(scope="session", autouse=True)
+def private_lock_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A host-lock folder of the test session's own (inherited by the CLI subprocesses): the
+    suite never waits for other people's studies on this machine, nor they for it. Tests of
+    the locks themselves, and of several workers, give their own folders."""
+    folder = tmp_path_factory.mktemp("locks")
+    previous = os.environ.get("LOADER_SEARCH_LOCK_DIR")
+    os.environ["LOADER_SEARCH_LOCK_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("LOADER_SEARCH_LOCK_DIR", None)
+    else:
+        os.environ["LOADER_SEARCH_LOCK_DIR"] = previous
+
+
 # The database servers this project's machines run (docs/development.md).
 POSTGRES_URL = os.environ.get(
     "LOADER_SEARCH_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

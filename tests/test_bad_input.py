@@ -232,3 +232,17 @@ def test_init_refuses_an_in_memory_database(tmp_path: Path) -> None:
         result = run_cli("init", str(config), "--storage", url, cwd=tmp_path)
         _assert_refused(result, "in-memory database", "sqlite:///loader_search.db")
     assert list(tmp_path.iterdir()) == [config]
+
+
+def test_a_lock_folder_others_could_swap_is_refused_before_the_study(tmp_path: Path) -> None:
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    folder.chmod(0o777)  # writable by everyone, without the sticky bit
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    database = tmp_path / "study.db"
+    env = {"LOADER_SEARCH_LOCK_DIR": str(folder)}
+    result = run_cli("run", str(config), "--storage", f"sqlite:///{database}", env=env)
+    _assert_refused(result, str(folder), "sticky")
+    assert not database.exists()
+    assert list(folder.iterdir()) == []

@@ -17,6 +17,7 @@ from loader_search.study._fit import fit_space, sample_bytes
 from loader_search.study._keys import STUDY_HARDWARE_ATTR
 from loader_search.study._space import ResolvedSpace
 from loader_search.team._hardware import Hardware, collect, gpu_count
+from loader_search.team._lockfiles import check_lock_folder
 from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
 from loader_search.workloads import Workload
 
@@ -35,6 +36,7 @@ def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, H
     """Pin this process, then resolve its device and describe the hardware its trials use
     (in that order: pinning must precede any question to CUDA)."""
     device = resolve_device(_pin(machine.cpus, machine.gpu, config.device))
+    check_lock_folder()  # trials will take the host lock there: refuse a bad one now
     gpus = 1 if machine.gpu is not None else None
     return device, collect(device.type, usable_cpus(), gpus)
 

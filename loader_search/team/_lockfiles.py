@@ -35,6 +35,12 @@ def lock_dir() -> Path:
     return Path(configured) if configured else shared / "loader-search-locks"
 
 
+def check_lock_folder() -> None:
+    """Refuse, before a study is touched, a lock folder that `open_folder` would refuse when
+    the first trial takes the host lock."""
+    os.close(open_folder(lock_dir()))
+
+
 def user_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
