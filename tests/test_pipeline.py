@@ -50,9 +50,23 @@ def test_one_worker_is_the_bottleneck_and_more_of_them_lift_it() -> None:
 def test_the_cpus_bound_a_pipeline_that_asks_for_more_than_there_are() -> None:
     model = PipelineModel(**{**MODEL.__dict__, "cpus": 2})
     prediction = model.predict(_params(3, 4))
-    # 3 workers and 4 threads on 2 CPUs: 110 + 10 + 4 / 12,000 s of CPU per sample.
-    assert prediction.throughput == pytest.approx(2 / (120e-6 + 4 / 12_000))
-    assert prediction.bottleneck == "device"  # the 4 threads' 333 us is the largest share
+    # 3 workers and 4 threads on 2 CPUs: the threads share cores with the workers, so the
+    # step runs at the 1-thread ceiling (200 us) while all 4 spin: 110 + 10 + 4 x 200 us of
+    # CPU per sample.
+    assert prediction.throughput == pytest.approx(2 / (120e-6 + 4 / 5_000))
+    assert prediction.bottleneck == "device"  # the 4 threads' 800 us is the largest share
+
+
+def test_threads_beside_busy_workers_train_no_faster_than_one() -> None:
+    alone = MODEL.predict(_params(0, 4))  # no workers: the 4 threads have the 4 CPUs
+    assert MODEL.ceiling(64, 4) == (12_000.0, False)
+    crowded = MODEL.predict(_params(1, 4))  # 1 worker + 4 threads on 4 CPUs
+    assert crowded.throughput == pytest.approx(
+        min(1 / (10e-6 + 1 / 5_000), 4 / (120e-6 + 4 / 5_000))
+    )
+    fits = MODEL.predict(_params(1, 3))  # 1 worker + 3 threads: the 3-thread ceiling holds
+    assert fits.bounds["device"] == pytest.approx(1 / (10e-6 + 1 / 10_000))
+    assert alone.throughput > 0
 
 
 def test_on_cuda_the_device_and_the_main_process_are_separate_stages() -> None:

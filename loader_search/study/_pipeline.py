@@ -132,7 +132,17 @@ class PipelineModel:
 
     def predict(self, params: LoaderParams) -> Prediction:
         """Throughput of ``params`` on this machine (calibrated) and its bottleneck."""
-        ceiling, extrapolated = self.ceiling(params.batch_size, params.torch_threads)
+        threads = params.torch_threads
+        if (
+            self.device == "cpu"
+            and params.num_workers
+            and params.num_workers + threads > self.cpus
+        ):
+            # Intra-op threads that share cores with busy workers wait for each other at
+            # every barrier: the step runs no faster than on one thread (while all of them
+            # still spin; measured on 2 cores: 2 threads beside a worker halve throughput).
+            threads = 1
+        ceiling, extrapolated = self.ceiling(params.batch_size, threads)
         step_s = 1.0 / ceiling
         bounds: dict[str, float]
         if params.num_workers == 0:
