@@ -85,3 +85,27 @@ def test_bad_workloads_are_user_errors(spec: str, options: dict, message: str) -
 def test_a_bug_in_the_users_factory_is_not_hidden() -> None:
     with pytest.raises(RuntimeError, match="has a bug"):
         load_workload(f"{PLUGIN}:broken")
+
+
+def test_a_gpu_stand_in_waits_per_sample_in_training_only() -> None:
+    import time
+
+    plain = synthetic_images(image_size=16, train_size=64, val_size=16)
+    assert "device_us_per_sample" not in plain.options  # the quickstart's fingerprint stays
+    stand_in = synthetic_images(
+        image_size=16, train_size=64, val_size=16, device_us_per_sample=5_000
+    )
+    assert stand_in.options["device_us_per_sample"] == 5_000
+    assert "stands in for a GPU" in stand_in.description
+    model = stand_in.make_model()
+    batch = torch.randn(8, 3, 16, 16)
+    model.train()
+    started = time.perf_counter()
+    model(batch)
+    assert time.perf_counter() - started >= 8 * 0.005  # 8 samples x 5 ms, asleep
+    model.eval()
+    started = time.perf_counter()
+    model(batch)
+    assert time.perf_counter() - started < 8 * 0.005  # evaluation does not wait
+    with pytest.raises(ValueError, match="device_us_per_sample"):
+        synthetic_images(device_us_per_sample=-1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import io
+import time
 from typing import Any
 
 import numpy as np
@@ -99,10 +100,19 @@ def make_images(
 
 
 class SmallCNN(nn.Module):
-    """Three conv layers and a linear head: small, but a real convolutional workload."""
+    """Three conv layers and a linear head: small, but a real convolutional workload.
 
-    def __init__(self, num_classes: int, width: int = 8) -> None:
+    ``device_us_per_sample`` makes every training forward pass also wait that long per
+    sample with the GIL released (``time.sleep``), as a GPU step keeps the training process
+    waiting while the CPUs are free: a stand-in for the loader-bound regime of a GPU server
+    on a CPU-only machine. It is not a GPU: the wait costs no CPU and never varies.
+    """
+
+    def __init__(
+        self, num_classes: int, width: int = 8, device_us_per_sample: float = 0.0
+    ) -> None:
         super().__init__()
+        self.wait_s_per_sample = device_us_per_sample / 1e6
         self.features = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1),
             nn.BatchNorm2d(width),
@@ -120,6 +130,8 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(2 * width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.wait_s_per_sample:
+            time.sleep(self.wait_s_per_sample * x.shape[0])  # releases the GIL
         logits: torch.Tensor = self.head(self.features(x).flatten(1))
         return logits
 
@@ -133,6 +145,7 @@ def synthetic_images(
     encoding: str = "png",
     width: int = 8,
     seed: int = 0,
+    device_us_per_sample: float = 0.0,
 ) -> Workload:
     """Build the ``synthetic-images`` workload (data are generated, never downloaded)."""
     for key, value in {
@@ -154,6 +167,11 @@ def synthetic_images(
         raise ValueError(f"noise = {noise!r}: must be a number between 0 and 1")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**32 - 1")
+    wait = device_us_per_sample
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1e6:
+        raise ValueError(
+            f"device_us_per_sample = {wait!r}: must be a number of microseconds, 0 .. 1000000"
+        )
 
     rng = np.random.default_rng(seed)
     patterns = _class_patterns(rng, num_classes, image_size)
@@ -169,20 +187,24 @@ def synthetic_images(
         "width": width,
         "seed": seed,
     }
+    stand_in = ""
+    if device_us_per_sample:  # only when set: studies without it keep their fingerprint
+        options["device_us_per_sample"] = device_us_per_sample
+        stand_in = f"; a {device_us_per_sample:g} us/sample GIL-free wait stands in for a GPU"
     return Workload(
         name="synthetic-images",
         train_dataset=EncodedImageDataset(
             *train, augment=True, pad=max(1, image_size // 8), seed=seed
         ),
         val_dataset=EncodedImageDataset(*val, augment=False),
-        make_model=functools.partial(SmallCNN, num_classes, width),
+        make_model=functools.partial(SmallCNN, num_classes, width, device_us_per_sample),
         # Measured on this workload: at 0.05 the validation loss after 8k samples varied by up
         # to 75% between seeds (chaotic training); at 0.02 by 7-20%, with batch size's effect
         # well above that spread.
         base_lr=0.02,
         description=(
             f"{train_size} generated {image_size}x{image_size} {encoding.upper()} images,"
-            f" {num_classes} classes, decoded + augmented per sample; 3-conv CNN"
+            f" {num_classes} classes, decoded + augmented per sample; 3-conv CNN{stand_in}"
         ),
         options=options,
     )
