@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ground_truth, replay, speedup
+from benchmarks import ground_truth, model, replay, speedup
 from loader_search.study._config import load_config
 from loader_search.study._recommend import TrialPoint, pareto_front
 from loader_search.trial._system import cpu_model, usable_cpus
@@ -194,6 +194,35 @@ def _paired_text(row: dict[str, Any], budget: int) -> str | None:
     )
 
 
+def model_section(errors: dict[str, Any], cost_s: float, seeds: int) -> str:
+    rows = [
+        {
+            "after": "the baseline alone" if n == "1" else f"{n} trials",
+            "median": e["median_error"],
+            "p90": e["p90_error"],
+        }
+        for n, e in errors.items()
+    ]
+    columns = [
+        ("after", "fitted on", ""),
+        ("median", "median |predicted/true - 1|", ".1%"),
+        ("p90", "90th percentile", ".1%"),
+    ]
+    return "\n".join(
+        [
+            "Prediction error of the pipeline model over every configuration of the table"
+            f" (true: the table's medians), fitted on the trials a model-guided study had run"
+            f" by then (medians over {seeds} seeds).",
+            "",
+            _table(rows, columns),
+            "",
+            "Fitting it on a 20-trial study and finding each batch size's best:"
+            f" {cost_s * 1000:.2f} ms (median of 50; a worker does this once per trial, under"
+            " the study lock).",
+        ]
+    )
+
+
 def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -> str:
     rows = [{**row, "trials_to_5pct_text": trials_to_5pct_text(row)} for row in rows]
     columns: list[tuple[str, str, str]] = [("variant", "sampler / option", "")]
@@ -337,6 +366,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", default="10,20,40", help="replay: trial budgets")
     parser.add_argument("--rounds", type=int, default=5, help="speedup: side-by-side rounds")
     parser.add_argument(
+        "--variants",
+        default=None,
+        help="replay: variant names separated by ; (default: all of them)",
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         default=ground_truth.QUICKSTART,
@@ -375,11 +409,19 @@ def main(argv: list[str] | None = None) -> None:
                 ground_truth.quick_config(config).training if args.quick else config.training
             )
             table = ground_truth.QUICK_SPACE if args.quick else ground_truth.FULL_SPACE
-            runs = replay.replay_all(entries, table, training, seeds=seeds, budgets=budgets)
+            chosen = args.variants.split(";") if args.variants else None
+            runs = replay.replay_all(
+                entries, table, training, seeds=seeds, budgets=budgets, chosen=chosen
+            )
             rows = replay.table(runs, budgets)
             results["replay"] = rows
             results["replay_runs"] = [dataclasses.asdict(run) for run in runs]
             sections += ["## Search quality (replay)", replay_section(rows, budgets, seeds)]
+            if all(e.costs for e in entries):  # tables measured before stage costs: no model
+                errors = model.prediction_error(entries, table, training, seeds=seeds)
+                cost_s = model.fit_cost(entries, table, training)
+                results["model"] = {"prediction_error": errors, "fit_cost_s": cost_s}
+                sections += ["## The pipeline model", model_section(errors, cost_s, seeds)]
     if args.command in ("speedup", "all"):
         result = speedup.run(config_path=args.config, quick=args.quick, rounds=rounds, workdir=out)
         results["speedup"] = result

@@ -113,6 +113,11 @@ def measure(
         eval_time_s=result.eval_time_s,
         data_wait_fraction=result.data_wait_fraction,
         ceiling=result.ceiling_samples_per_s,
+        # Stage costs over the same window (loader_search.trial._stages), for the model.
+        producer_cpu_s_per_sample=result.producer_cpu_s_per_sample,
+        collate_cpu_s_per_batch=result.collate_cpu_s_per_batch,
+        main_cpu_s_per_batch=result.main_cpu_s_per_batch,
+        cpu_used_cores=result.cpu_used_cores,
     )
     return row
 
@@ -194,6 +199,9 @@ class Entry:
     # What a ceiling reading adds to a trial: the median wall time of this configuration's
     # runs that measured the ceiling minus ``wall_s`` (the runs that did not), at least 0.
     ceiling_wall_s: float = 0.0
+    # Per repeat (aligned with ``throughputs``): the stage costs it measured, (producer CPU s
+    # per sample, collate CPU s per batch, main-process CPU s per batch); empty in old tables.
+    costs: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def spread(self) -> float:
@@ -214,6 +222,7 @@ class Entry:
             "train_time_s": self.train_time_s,
             "ceiling": self.ceiling,
             "ceiling_wall_s": self.ceiling_wall_s,
+            "costs": [list(c) for c in self.costs],
         }
 
     @classmethod
@@ -230,6 +239,7 @@ class Entry:
             train_time_s=data["train_time_s"],
             ceiling=data["ceiling"],
             ceiling_wall_s=data.get("ceiling_wall_s", 0.0),  # absent in older tables
+            costs=tuple((c[0], c[1], c[2]) for c in data.get("costs", ())),
         )
 
 
@@ -279,6 +289,16 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[Entry]:
                 train_time_s=statistics.median(r["train_time_s"] for r in group),
                 ceiling=statistics.median(ceiling) if ceiling else None,
                 ceiling_wall_s=ceiling_wall_s,
+                costs=tuple(
+                    (
+                        r["producer_cpu_s_per_sample"],
+                        r["collate_cpu_s_per_batch"],
+                        r["main_cpu_s_per_batch"],
+                    )
+                    for r in group
+                )
+                if all(r.get("producer_cpu_s_per_sample") for r in group)
+                else (),
             )
         )
     return sorted(entries, key=lambda e: key(e.params))

@@ -56,12 +56,18 @@ from loader_search.study._budget import (
     decide,
 )
 from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._guide import Guide
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
+    COLLATE_COST,
     CONFIRMATION_ATTR,
     DIRECTIONS,
+    MAIN_COST,
+    MODEL_ROUND_ATTR,
     PARAMS_ATTR,
+    PREDICTED_ATTR,
+    PRODUCER_COST,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
     stored_params,
@@ -139,6 +145,11 @@ class Variant:
     reuse_val_loss: bool = True
     confirm: bool = True
     threads_searched: bool = False
+
+    @property
+    def model(self) -> bool:
+        """Whether the pipeline model picks the first trials (`loader_search.study._guide`)."""
+        return isinstance(self.sampler, SamplerConfig) and self.sampler.model
 
 
 @dataclass(frozen=True)
@@ -221,6 +232,8 @@ class _Replay:
         self.grid_size = self.space.size() if grid else None
         self.cost = 0.0
         self.train_size: int | None = None
+        # As the worker does (`loader_search.study._worker._guide`), on the table's machine.
+        self.guide = Guide(self.space, "cpu", self.space.usable_cpus) if variant.model else None
 
     def trial(self, *, baseline: bool = False) -> None:
         trial = self.study.ask()
@@ -230,6 +243,10 @@ class _Replay:
         trial.set_user_attr(PARAMS_ATTR, params.as_dict())
         if baseline:
             trial.set_user_attr(BASELINE_ATTR, True)
+        if self.guide is not None:
+            prediction = self.guide.predict(self.study.get_trials(deepcopy=False), params)
+            if prediction is not None:
+                trial.set_user_attr(PREDICTED_ATTR, prediction.throughput)
         entry = self.truth.entries[params]
         reuse = plan_trial(
             self.study.get_trials(deepcopy=False),
@@ -240,6 +257,11 @@ class _Replay:
             reuse_val_loss=self.training.reuse_val_loss,
         )
         repeat = self.rng.randrange(len(entry.throughputs))
+        if entry.costs:  # what this repeat measured of its stages, as a trial stores it
+            producer, collate, main = entry.costs[repeat]
+            trial.set_user_attr(PRODUCER_COST, producer)
+            trial.set_user_attr(COLLATE_COST, collate)
+            trial.set_user_attr(MAIN_COST, main)
         if reuse.plan.stop_early:
             assert reuse.val_loss is not None
             throughput, val_loss = entry.throughputs[repeat], reuse.val_loss
@@ -262,7 +284,11 @@ class _Replay:
         (`loader_search.study._budget.decide`, one trial at a time)."""
         total = budget + count_used(self._trials(), FINISHED_STATES)
         while True:
-            decision = decide(self._trials(), total, self.confirm, grid_size=self.grid_size)
+            trials = self._trials()
+            proposals = self.guide.proposals(trials) if self.guide and not self.grid_size else ()
+            decision = decide(
+                trials, total, self.confirm, grid_size=self.grid_size, proposals=proposals
+            )
             if isinstance(decision, Done):
                 return self._trials()
             if isinstance(decision, Wait):
@@ -272,6 +298,12 @@ class _Replay:
             elif decision.baseline:
                 self.study.enqueue_trial(
                     self.space.baseline(self.training.batch_size), user_attrs={BASELINE_ATTR: True}
+                )
+            for proposal in decision.propose if isinstance(decision, Take) else ():
+                self.study.enqueue_trial(
+                    self.space.trial_params(proposal.params),
+                    user_attrs={MODEL_ROUND_ATTR: proposal.round},
+                    skip_if_exists=False,
                 )
             self.trial(baseline=isinstance(decision, Take) and decision.baseline)
 
@@ -332,16 +364,20 @@ def replay_one(
 def variants() -> list[Variant]:
     """What the replay compares (see benchmarks/README.md)."""
     return [
-        Variant("tpe (default)", SamplerConfig()),
-        Variant("tpe multivariate", SamplerConfig(multivariate=True)),
-        Variant("tpe, 5 startup", SamplerConfig(n_startup_trials=5)),
-        Variant("nsga2 (pop 10)", SamplerConfig(name="nsga2", population_size=10)),
+        # The default: the pipeline model picks the first trials, then TPE (issue 12).
+        Variant("model + tpe (default)", SamplerConfig()),
+        Variant("model + random", SamplerConfig(name="random")),
+        # Without the model: the samplers alone, as the service searched before.
+        Variant("tpe", SamplerConfig(model=False)),
+        Variant("tpe multivariate", SamplerConfig(multivariate=True, model=False)),
+        Variant("tpe, 5 startup", SamplerConfig(n_startup_trials=5, model=False)),
+        Variant("nsga2 (pop 10)", SamplerConfig(name="nsga2", population_size=10, model=False)),
         Variant("gp", _gp),
-        Variant("random", SamplerConfig(name="random")),
-        Variant("random, 2x trials", SamplerConfig(name="random"), trials_factor=2),
-        Variant("tpe, no early stop", SamplerConfig(), reuse_val_loss=False),
-        Variant("tpe, no re-measure", SamplerConfig(), confirm=False),
-        Variant("tpe, threads searched", SamplerConfig(), threads_searched=True),
+        Variant("random", SamplerConfig(name="random", model=False)),
+        Variant("random, 2x trials", SamplerConfig(name="random", model=False), trials_factor=2),
+        Variant("tpe, no early stop", SamplerConfig(model=False), reuse_val_loss=False),
+        Variant("tpe, no re-measure", SamplerConfig(model=False), confirm=False),
+        Variant("tpe, threads searched", SamplerConfig(model=False), threads_searched=True),
     ]
 
 

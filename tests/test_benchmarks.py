@@ -51,16 +51,24 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     assert truth["configs"] == 4 and truth["repeats"] == 2
     rows = [json.loads(line) for line in (tmp_path / "ground_truth_quick.jsonl").open()]
     assert len(rows) == 8 and all(r["throughput"] > 0 and r["val_loss"] > 0 for r in rows)
+    assert all(r["producer_cpu_s_per_sample"] > 0 and r["main_cpu_s_per_batch"] > 0 for r in rows)
     table = json.loads((tmp_path / "ground_truth_table.json").read_text())["configs"]
     assert all(len(c["throughputs"]) == 2 and c["ceiling"] > 0 for c in table)
     assert all(c["ceiling_wall_s"] >= 0 for c in table)
+    assert all(len(c["costs"]) == 2 for c in table)  # stage costs per repeat, for the model
 
     # Replay: every variant at every budget and seed (the quick run: 2 seeds, budgets 6, 10),
     # each study saved, and the table drawn from them.
     replay = results["replay"]
     runs = results["replay_runs"]
     names = [r["variant"] for r in replay]
-    assert {"tpe (default)", "random", "random, 2x trials", "tpe, no re-measure"} <= set(names)
+    assert {
+        "model + tpe (default)",
+        "tpe",
+        "random",
+        "random, 2x trials",
+        "tpe, no re-measure",
+    } <= set(names)
     assert len(runs) == len(names) * 2 * 2
     for run in runs:
         factor = 2 if run["variant"] == "random, 2x trials" else 1
@@ -87,10 +95,17 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
         at_10 = [r for r in runs if r["variant"] == row["variant"] and r["budget"] == 10]
         assert row["reached_5pct"] == f"{sum(r['first_within_5pct'] is not None for r in at_10)}/2"
         assert (row["trials_to_5pct"] is None) != (row["trials_to_5pct_above"] is None)
-    early = next(r for r in replay if r["variant"] == "tpe (default)")
+    early = next(r for r in replay if r["variant"] == "tpe")
     full = next(r for r in replay if r["variant"] == "tpe, no early stop")
     assert early["cost_s@10"] < full["cost_s@10"]  # shortened trials are cheaper
     assert "(all trials run)" in report and "paired vs random @10" in report
+
+    # The pipeline model: its prediction error over the table, after the baseline and more.
+    errors = results["model"]["prediction_error"]
+    assert (
+        errors["1"]["seeds"] == 2 and 0 <= errors["1"]["median_error"] <= errors["1"]["p90_error"]
+    )
+    assert results["model"]["fit_cost_s"] > 0 and "## The pipeline model" in report
 
     # Speedup: a real study, then three loaders side by side with their ceilings.
     speedup = results["speedup"]
