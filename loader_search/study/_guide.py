@@ -166,7 +166,7 @@ class Guide:
                 "bottleneck": best.bottleneck,
                 "extrapolated": best.extrapolated,
                 "limit_params": params.as_dict(),
-                "lifts": lifts(model, self.space, batch),
+                "lifts": lifts(model, self.space, batch, limit),
             }
         return {"model": model.as_dict(), "batch_sizes": batches}
 
@@ -184,12 +184,16 @@ def _measured_best(observations: Sequence[Observation]) -> dict[int, tuple[float
     return best
 
 
-def lifts(model: PipelineModel, space: ResolvedSpace, batch: int) -> list[dict[str, Any]]:
-    """What would lift the limit of ``batch``, with the model's predicted limit after each
-    (largest gain first): twice the CPUs, samples cached decoded, transforms half as costly,
-    decoding on the GPU (CUDA only), and the best other batch size (whose validation loss
-    differs: see the Pareto front)."""
-    limit = model.best(batch, space).throughput
+def lifts(
+    model: PipelineModel, space: ResolvedSpace, batch: int, limit: float | None = None
+) -> list[dict[str, Any]]:
+    """What would lift the limit of ``batch`` (the model's, or ``limit`` where a measurement
+    beat it), with the model's predicted limit after each and its gain over ``limit``, largest
+    first: twice the CPUs, samples cached decoded, transforms half as costly, decoding on the
+    GPU (CUDA only), and the best other batch size (whose validation loss differs: see the
+    Pareto front)."""
+    if limit is None:
+        limit = model.best(batch, space).throughput
     options: list[tuple[str, str, float]] = []  # (lever, what, predicted limit)
     more = replace(space, usable_cpus=space.usable_cpus * 2, num_workers=_doubled(space))
     options.append(
