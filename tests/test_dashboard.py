@@ -139,3 +139,23 @@ def test_dashboard_needs_an_existing_database(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no database file" in result.stderr
     assert not missing.exists()
     assert time.monotonic() - started < 60
+
+
+def test_dashboard_answers_only_its_own_host_names(
+    server: tuple[str, subprocess.Popen[str], str],
+) -> None:
+    """DNS rebinding: a page on evil.example that resolves its name to 127.0.0.1 sends
+    ``Host: evil.example``; the dashboard refuses it and serves its own names."""
+    import urllib.error
+
+    url, _, _ = server
+    port = url.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        request = urllib.request.Request(f"{url}/api/studies", headers={"Host": host})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}"):
+        request = urllib.request.Request(f"{url}/api/studies", headers={"Host": host})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 403

@@ -93,3 +93,37 @@ def test_real_postgres_and_mariadb_are_usable(url: str) -> None:
     require_database(url)
     storage = open_storage(url)
     assert isinstance(optuna.study.get_all_study_names(storage), list)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_runs_creating_one_new_study_at_once_all_continue_it(backend: str, tmp_path: Path) -> None:
+    """Two or more processes that create the same study in an empty database at once (and so
+    its schema): none fails, and there is one study. Real processes, several rounds."""
+    import subprocess
+    import sys
+    from contextlib import ExitStack
+
+    from tests.conftest import ROOT, TINY_CONFIG, scratch_database
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    for round_ in range(3):
+        with ExitStack() as stack:
+            if backend == "sqlite":
+                url = f"sqlite:///{tmp_path / f'race{round_}.db'}"
+            else:
+                url = stack.enter_context(scratch_database(POSTGRES_URL))
+            processes = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "loader_search", "init", str(config), "--storage", url],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(3)
+            ]
+            for process in processes:
+                _, stderr = process.communicate(timeout=120)
+                assert process.returncode == 0, stderr
+            assert optuna.study.get_all_study_names(url) == ["tiny"]

@@ -186,6 +186,32 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
+
+
+def host_checked(app: Any, host: str) -> Any:
+    """``app`` answering only requests addressed to the host it is bound to (and, bound to
+    loopback, to its other loopback names): a web page elsewhere that points its own host
+    name at 127.0.0.1 (DNS rebinding) gets 403 instead of the studies. Bound to every
+    address (``--host 0.0.0.0``), the operator chose to expose it: any Host is served."""
+    if host in ANY_ADDRESS:
+        return app
+    allowed = {host.strip("[]").lower()}
+    if allowed & LOOPBACK_NAMES:
+        allowed |= LOOPBACK_NAMES
+
+    def checked(environ: dict[str, Any], start_response: Any) -> Any:
+        requested = environ.get("HTTP_HOST", "")
+        name = requested.rsplit(":", 1)[0] if not requested.endswith("]") else requested
+        if name.strip("[]").lower() not in allowed:
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [b"loader-search dashboard: unknown Host header\n"]
+        return app(environ, start_response)
+
+    return checked
+
+
 def serve(
     storage: BaseStorage,
     host: str,
@@ -204,7 +230,7 @@ def serve(
 
     view = FeasibilityAwareStorage(storage)
     with feasible_pareto_front():
-        app = optuna_dashboard.wsgi(view)
+        app = host_checked(optuna_dashboard.wsgi(view), host)
         try:
             server = make_server(
                 host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler

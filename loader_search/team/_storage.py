@@ -179,14 +179,24 @@ def open_storage(
             # Before Optuna opens it: on a database without its tables, RDBStorage fails
             # with a misleading "invalid data in the commit".
             _check_schema(url, shown)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                skip_table_creation=must_exist,
-                **heartbeat_kwargs,
-            )
+        for attempt in range(_SCHEMA_RACE_TRIES):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    return optuna.storages.RDBStorage(
+                        url,
+                        engine_kwargs=engine_kwargs,
+                        skip_table_creation=must_exist,
+                        **heartbeat_kwargs,
+                    )
+            except Exception as exc:
+                # Two processes creating the schema of an empty database at once: one of
+                # them loses the race (a duplicate table, index or version row). The
+                # schema is there now; opening it again succeeds.
+                if must_exist or not _lost_schema_race(exc) or attempt == _SCHEMA_RACE_TRIES - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
     except sqlalchemy.exc.NoSuchModuleError:
         raise UserError(
             f"storage URL {shown}: unknown database dialect {parsed.drivername!r}; use"
@@ -246,6 +256,24 @@ _TRANSIENT = (
     sqlalchemy.exc.InterfaceError,
     sqlalchemy.exc.DisconnectionError,
 )
+
+
+_SCHEMA_RACE_TRIES = 5
+
+
+def _lost_schema_race(exc: BaseException) -> bool:
+    """Whether opening failed because another process created the same schema meanwhile."""
+    from optuna.exceptions import StorageInternalError
+
+    cause: BaseException | None = exc
+    if isinstance(cause, StorageInternalError):
+        cause = cause.__cause__
+    if isinstance(cause, sqlalchemy.exc.IntegrityError):
+        return True
+    text = str(cause).lower()
+    return isinstance(cause, sqlalchemy.exc.DBAPIError) and (
+        "already exists" in text or "duplicate" in text
+    )
 
 
 def is_transient(exc: BaseException) -> bool:
