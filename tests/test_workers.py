@@ -201,9 +201,14 @@ def test_a_killed_worker_s_trial_is_retried(
 def test_a_database_restart_loses_no_result(
     postgres_db: str, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
-    # Trials of a few seconds, so that the server goes down while both workers train.
+    # Trials of a few seconds, so that the server goes down while both workers train: the
+    # GPU stand-in's wait (0.5 ms a sample) makes their length independent of this CPU's
+    # speed and of how the search picks their settings.
     budget = 6
-    study_config = str(config(budget, train_samples=8192))
+    path = config(budget, train_samples=8192)
+    stand_in = "val_size = 64\ndevice_us_per_sample = 500"
+    path.write_text(path.read_text().replace("val_size = 64", stand_in))
+    study_config = str(path)
     assert run_cli("init", study_config, "--storage", postgres_db, env=env).returncode == 0
     workers = [
         Worker(tmp_path, i, ["tiny", "--storage", postgres_db, "--cpus", str(i)], env)
