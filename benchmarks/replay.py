@@ -56,7 +56,7 @@ from loader_search.study._budget import (
     decide,
 )
 from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._guide import Guide
+from loader_search.study._guide import Guide, Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
@@ -285,7 +285,9 @@ class _Replay:
         total = budget + count_used(self._trials(), FINISHED_STATES)
         while True:
             trials = self._trials()
-            proposals = self.guide.proposals(trials) if self.guide and not self.grid_size else ()
+            proposals: list[Proposal] = []
+            if self.guide is not None and not self.grid_size:
+                proposals = self.guide.proposals(trials, self.guide.model(trials))
             decision = decide(
                 trials, total, self.confirm, grid_size=self.grid_size, proposals=proposals
             )

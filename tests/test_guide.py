@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._guide import Guide
+from loader_search.study._guide import Guide, Proposal
 from loader_search.study._keys import (
     MODEL_ROUND_ATTR,
     PIPELINE_ATTR,
@@ -135,33 +135,37 @@ def _trial(params: LoaderParams, throughput: float, **attrs: object) -> optuna.t
     )
 
 
+def _propose(guide: Guide, trials: list[optuna.trial.FrozenTrial]) -> list[Proposal]:
+    return guide.proposals(trials, guide.model(trials))
+
+
 def test_proposals_wait_for_the_baseline_and_each_round_to_finish() -> None:
     space = SearchSpace(
         batch_sizes=(32, 64), num_workers=CpuRange(0, 2), persistent_workers=None
     ).resolve(2, cuda=False)
     guide = Guide(space, "cpu", 2)
     base_params = LoaderParams(64, torch_threads=2)
-    assert guide.proposals([]) == []  # nothing measured: nothing to fit
+    assert _propose(guide, []) == []  # nothing measured: nothing to fit
     baseline = _trial(base_params, 5_000.0, baseline=True, ceiling_samples_per_s=10_000.0)
-    first = guide.proposals([baseline])
+    first = _propose(guide, [baseline])
     assert {p.params.batch_size for p in first} == {32, 64}
     assert all(p.round == 1 and p.params != base_params for p in first)
     assert [p.predicted for p in first] == sorted((p.predicted for p in first), reverse=True)
     # While round 1 is queued, nothing more is proposed.
     queued = optuna.trial.create_trial(state=TrialState.WAITING, user_attrs={MODEL_ROUND_ATTR: 1})
-    assert guide.proposals([baseline, queued]) == []
+    assert _propose(guide, [baseline, queued]) == []
     # Round 1 measured exactly as predicted: round 2 has nothing to check.
     round_one = {MODEL_ROUND_ATTR: 1, "ceiling_samples_per_s": 8e3}
     done = [
         _trial(p.params, p.predicted, **round_one, **{PREDICTED_ATTR: p.predicted}) for p in first
     ]
-    second = guide.proposals([baseline, *done])
+    second = _propose(guide, [baseline, *done])
     assert all(p.round == 2 for p in second)
     # A round-1 trial far off its prediction makes its batch size worth a second look.
     missed = first[0]
     off = _trial(
         missed.params, missed.predicted * 0.5, **round_one, **{PREDICTED_ATTR: missed.predicted}
     )
-    again = guide.proposals([baseline, off, *done[1:]])
+    again = _propose(guide, [baseline, off, *done[1:]])
     assert any(p.params.batch_size == missed.params.batch_size for p in again)
     assert math.isfinite(sum(p.predicted for p in again))

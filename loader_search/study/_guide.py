@@ -35,7 +35,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._pipeline import Observation, PipelineModel, Prediction, fit
 from loader_search.study._recommend import is_feasible
-from loader_search.study._space import ResolvedSpace
+from loader_search.study._space import IntRange, ResolvedSpace
 
 ROUNDS = 2
 UNSURE_ERROR = 0.10  # a round-1 trial this far off its prediction: its batch size is unsure
@@ -92,9 +92,12 @@ class Guide:
     def model(self, trials: Sequence[FrozenTrial]) -> PipelineModel | None:
         return fit(self.observations(trials), self.device, self.cpus)
 
-    def proposals(self, trials: Sequence[FrozenTrial]) -> list[Proposal]:
-        """What the model asks to measure next: nothing while a round is queued or running,
-        or before the baseline (with its stage costs and ceiling) has completed."""
+    def proposals(
+        self, trials: Sequence[FrozenTrial], model: PipelineModel | None
+    ) -> list[Proposal]:
+        """What ``model`` (`model` of these ``trials``) asks to measure next: nothing while a
+        round is queued or running, or before it could be fitted (the baseline, with its
+        stage costs and ceiling, has not completed)."""
         rounds = [t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials]
         done = max((r for r in rounds if isinstance(r, int)), default=0)
         if done >= ROUNDS:
@@ -102,7 +105,6 @@ class Guide:
         pending = (TrialState.WAITING, TrialState.RUNNING)
         if any(t.state in pending and t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials):
             return []
-        model = self.model(trials)
         if model is None:
             return []
         tried = {o.params for o in self.observations(trials)} | {
@@ -146,12 +148,9 @@ class Guide:
         model = self.model(trials)
         return model.predict(params) if model is not None else None
 
-    def snapshot(self, trials: Sequence[FrozenTrial]) -> dict[str, Any] | None:
-        """The model, the limit of each batch size and what would lift it: stored with the
-        study (`PIPELINE_ATTR`) for `best`, the report and people."""
-        model = self.model(trials)
-        if model is None:
-            return None
+    def snapshot(self, trials: Sequence[FrozenTrial], model: PipelineModel) -> dict[str, Any]:
+        """``model`` (`model` of these ``trials``), the limit of each batch size and what would
+        lift it: stored with the study (`PIPELINE_ATTR`) for `best`, the report and people."""
         measured = _measured_best(self.observations(trials))
         batches = {}
         for batch in self.space.batch_sizes:
@@ -212,15 +211,11 @@ def lifts(
             continue
         cheaper = replace(model, fetch_s=model.fetch_s * factor)
         options.append((lever, text, cheaper.best(batch, space).throughput))
-    others = [b for b in space.batch_sizes if b != batch]
+    others = {b: model.best(b, space).throughput for b in space.batch_sizes if b != batch}
     if others:
-        other = max(others, key=lambda b: model.best(b, space).throughput)
+        other = max(others, key=lambda b: others[b])
         options.append(
-            (
-                "batch_size",
-                f"batch size {other} (its validation loss differs)",
-                model.best(other, space).throughput,
-            )
+            ("batch_size", f"batch size {other} (its validation loss differs)", others[other])
         )
     return [
         {
@@ -234,7 +229,6 @@ def lifts(
     ]
 
 
-def _doubled(space: ResolvedSpace) -> Any:
+def _doubled(space: ResolvedSpace) -> IntRange:
     """The worker range on a machine with twice the CPUs (its top end doubled)."""
-    workers = space.num_workers
-    return replace(workers, high=max(workers.high, workers.high * 2))
+    return replace(space.num_workers, high=space.num_workers.high * 2)

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from loader_search import interrupts
 from loader_search.errors import StudyAborted
@@ -95,16 +95,17 @@ def _take_trial(
         grid = session.config.sampler.name == "grid"
         trials = study.get_trials(deepcopy=False)
         guide = _guide(session)
+        # Fitted once per take: for the proposals, this trial's prediction and the snapshot.
         model = guide.model(trials) if guide is not None else None
-        if guide is not None:
-            _store_pipeline(session, attrs, guide, trials)
+        if guide is not None and model is not None:
+            _store_pipeline(session, attrs, guide.snapshot(trials, model))
         decision = decide(
             trials,
             int(attrs.get(BUDGET_ATTR, session.budget)),
             confirm_settings(attrs, session.config),
             grid_size=session.space.size() if grid else None,
             hardware_class=session.hardware.hardware_class,
-            proposals=guide.proposals(trials) if guide is not None and not grid else (),
+            proposals=guide.proposals(trials, model) if guide is not None and not grid else (),
         )
         if isinstance(decision, Done):
             return None
@@ -165,14 +166,9 @@ def _guide(session: Session) -> Guide | None:
     )
 
 
-def _store_pipeline(
-    session: Session, attrs: Mapping[str, Any], guide: Guide, trials: list[FrozenTrial]
-) -> None:
+def _store_pipeline(session: Session, attrs: Mapping[str, Any], snapshot: dict[str, Any]) -> None:
     """Keep the study's pipeline model (per hardware class) in step with its trials, for
     `best` and the report; written only when it changed."""
-    snapshot = guide.snapshot(trials)
-    if snapshot is None:
-        return
     stored = dict(attrs.get(PIPELINE_ATTR) or {})
     if stored.get(session.hardware.hardware_class) != snapshot:
         stored[session.hardware.hardware_class] = snapshot

@@ -125,17 +125,6 @@ class StageCosts:
     cpu_used: float | None  # CPU seconds per second: cores busy on average
     cpus_available: int
 
-    def user_attrs(self) -> dict[str, float | int]:
-        """Stored with the trial, keys with their units."""
-        values = {
-            "producer_cpu_s_per_sample": self.producer_cpu_s_per_sample,
-            "collate_cpu_s_per_batch": self.collate_cpu_s_per_batch,
-            "main_cpu_s_per_batch": self.main_cpu_s_per_batch,
-            "cpu_used_cores": self.cpu_used,
-            "cpus_available": self.cpus_available,
-        }
-        return {k: v for k, v in values.items() if v is not None}
-
 
 class StageMeter:
     """Adds up the stage costs of the batches a `StepMeter` window counts.
