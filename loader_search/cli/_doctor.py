@@ -334,7 +334,7 @@ def _isolation(config: StudyConfig | None) -> Check:
 def _storage(storage_url: str | None) -> Check:
     from sqlalchemy.engine import make_url
 
-    from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
+    from loader_search.team._storage import in_memory, mask_url, open_storage, resolve_storage_url
 
     try:
         url = resolve_storage_url(storage_url)
@@ -347,7 +347,7 @@ def _storage(storage_url: str | None) -> Check:
         parsed = None
     if parsed is not None and parsed.get_backend_name() == "sqlite":
         database = parsed.database
-        if database in (None, "", ":memory:"):
+        if in_memory(parsed):
             return Check(
                 STORAGE,
                 "warn",

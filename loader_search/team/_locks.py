@@ -42,6 +42,7 @@ from loader_search.team._lockfiles import (
     open_folder,
     open_lock_file,
 )
+from loader_search.team._storage import in_memory
 
 __all__ = ["LOCK_DIR_ENV", "StudyLockTimeout", "host_lock", "lock_dir", "study_lock"]
 
@@ -175,7 +176,7 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
                 _release(connection, "SELECT RELEASE_LOCK(:name)", {"name": name})
     else:
         database = engine.url.database
-        if not database or database == ":memory:":
+        if not database or in_memory(engine.url):
             with _MEMORY_LOCKS.setdefault(str(engine.url), threading.Lock()):
                 yield
             return

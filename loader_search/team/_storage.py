@@ -53,6 +53,11 @@ def resolve_storage_url(cli_value: str | None) -> str:
     return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
 
 
+def in_memory(url: URL) -> bool:
+    """Whether ``url`` is an in-memory SQLite database (gone when its process ends)."""
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
 def check_shared(url: str, command: str) -> None:
     """Refuse an in-memory SQLite URL for ``command`` (``init``, ``worker``), whose study must
     outlive the process: it would vanish when the command ends."""
@@ -60,7 +65,7 @@ def check_shared(url: str, command: str) -> None:
         parsed = make_url(url)
     except Exception:
         return  # open_storage says what is wrong with it
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+    if in_memory(parsed):
         raise UserError(
             f"{command} --storage {mask_url(url)} is an in-memory database: the study would"
             " vanish when the command ends; give a file (sqlite:///loader_search.db) or a server"
@@ -155,7 +160,7 @@ def open_storage(
             " postgresql+psycopg://user@host/db"
         ) from None
     backend = parsed.get_backend_name()
-    if must_exist and backend == "sqlite" and parsed.database not in (None, "", ":memory:"):
+    if must_exist and backend == "sqlite" and parsed.database and not in_memory(parsed):
         _check_study_file(Path(parsed.database), shown)
     engine_kwargs: dict[str, Any] = {}
     if backend == "sqlite":
