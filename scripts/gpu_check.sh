@@ -6,7 +6,9 @@
 #   1. doctor on studies/gpu.toml;
 #   2. `python -m benchmarks speedup --config studies/gpu.toml`: a real 20-trial study on CUDA,
 #      then baseline, rule of thumb and recommendation side by side with their ceilings;
-#   3. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml).
+#   3. `python -m benchmarks claims --config studies/gpu.toml --studies 2`: two studies' claimed
+#      speedups (paired confirmation, 95% CI) against a side-by-side measurement afterwards;
+#   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -33,6 +35,11 @@ step "study + side by side (studies/gpu.toml)"
 python3 -m benchmarks speedup --config studies/gpu.toml --rounds 3 --out "$OUT/speedup" \
   > "$OUT/speedup.log" 2>&1
 echo "speedup exit $?"; tail -40 "$OUT/speedup.log"
+
+step "claimed speedup against side by side (studies/gpu.toml)"
+python3 -m benchmarks claims --config studies/gpu.toml --studies 2 --claim-rounds 6 \
+  --out "$OUT/claims" > "$OUT/claims.log" 2>&1
+echo "claims exit $?"; tail -20 "$OUT/claims.log"
 
 step "real CUDA out-of-memory (scripts/gpu_oom.toml)"
 python3 -m loader_search run scripts/gpu_oom.toml --storage "sqlite:///$OUT/oom.db" \
@@ -65,6 +72,14 @@ try:
                         f" gpu {a.get('peak_gpu_bytes', 0) / 2**30:.2f} GiB {a.get('loader_params')}")
 except Exception as exc:
     rows.append(f"speedup: no result ({exc!r})")
+try:
+    claims = json.loads((out / "claims" / "claims.json").read_text())["claims"]
+    for c in claims["studies"]:
+        truth = c["side_by_side"]["speedup"] if c["side_by_side"] else None
+        rows.append(f"claim seed {c['seed']}: {c['claim']:.2f}x {c['claim_ci95']} {c['verdict']}"
+                    f" vs side by side {truth} (error {c['claim_error']})")
+except Exception as exc:
+    rows.append(f"claims: no result ({exc!r})")
 try:
     study = optuna.load_study(study_name="gpu-oom", storage=f"sqlite:///{out}/oom.db")
     for t in study.trials:

@@ -85,7 +85,7 @@ TINY_CONFIG = """
 name = "tiny"
 trials = {trials}
 seed = 0
-confirm_top = 0  # no re-measurements: tests count trials (tests/test_reuse.py covers them)
+confirm_top = 0  # no confirmation rounds: tests count trials (tests/test_reuse.py covers them)
 
 [sampler]
 name = "random"

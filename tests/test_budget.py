@@ -13,7 +13,6 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search.params import LoaderParams
 from loader_search.study._budget import (
     Confirm,
-    ConfirmSettings,
     Done,
     Take,
     Wait,
@@ -23,9 +22,11 @@ from loader_search.study._budget import (
     uses_budget,
 )
 from loader_search.study._config import StudyConfig
+from loader_search.study._confirm import ConfirmSettings, Remeasure
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ATTR,
+    CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     FAILURE_REASON,
     HARDWARE_CLASS_ATTR,
@@ -34,8 +35,10 @@ from loader_search.study._keys import (
     TOLERANCE_ATTR,
 )
 
-NO_CONFIRM = ConfirmSettings(top=0, repeats=3, loss_tolerance=0.05)
-CONFIRM = ConfirmSettings(top=3, repeats=3, loss_tolerance=0.05)
+NO_CONFIRM = ConfirmSettings(
+    top=0, min_rounds=3, max_rounds=6, half_width=0.05, loss_tolerance=0.05
+)
+CONFIRM = ConfirmSettings(top=3, min_rounds=3, max_rounds=6, half_width=0.05, loss_tolerance=0.05)
 DISTRIBUTIONS = {
     "batch_size": CategoricalDistribution([16, 32, 64]),
     "num_workers": IntDistribution(0, 4),
@@ -168,49 +171,57 @@ def _searched(**attrs: Any) -> list[FrozenTrial]:
     ]
 
 
-def test_once_the_budget_is_used_the_candidates_are_re_measured_round_robin() -> None:
-    decision = decide(_searched(), 3, CONFIRM)
-    assert isinstance(decision, Confirm)
-    fast = {"batch_size": 32, "num_workers": 2, "prefetch_factor": 2}
-    baseline = {"batch_size": 32, "num_workers": 0}
-    # Each measured once, 3 wanted: two more each, alternating; the point past the loss
-    # tolerance (num_workers=4) is no candidate.
-    assert list(decision.queue) == [fast, baseline, fast, baseline]
-
-
-def test_done_when_every_candidate_has_its_measurements() -> None:
+def test_once_the_budget_is_used_the_candidates_are_confirmed_one_trial_at_a_time() -> None:
     trials = _searched()
-    for number, workers in enumerate([2, 0, 2, 0], start=3):
+    fast = LoaderParams(32, 2, 2)
+    baseline = LoaderParams(32, 0)
+    # The point past the loss tolerance (num_workers=4) is no candidate. Round 0 measures the
+    # baseline, then the candidate; round 1 in the rotated order; one trial per decision.
+    asked = []
+    for number in range(3, 7):
+        decision = decide(trials, 3, CONFIRM)
+        assert isinstance(decision, Confirm)
+        asked.append(decision.remeasure)
+        done = decision.remeasure
+        trials.append(
+            _trial(
+                number,
+                TrialState.COMPLETE,
+                num_workers=done.params.num_workers,
+                values=(300.0, 1.02) if done.params.num_workers else (100.0, 1.0),
+                **{CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: done.round},
+            )
+        )
+    assert asked == [
+        Remeasure(baseline, 0),
+        Remeasure(fast, 0),
+        Remeasure(fast, 1),
+        Remeasure(baseline, 1),
+    ]
+
+
+def test_done_when_the_rounds_are_sure_of_the_speedup() -> None:
+    trials = _searched()
+    for number, (workers, round_) in enumerate(
+        [(0, 0), (2, 0), (2, 1), (0, 1), (0, 2), (2, 2)], start=3
+    ):
         trials.append(
             _trial(
                 number,
                 TrialState.COMPLETE,
                 num_workers=workers,
                 values=(300.0, 1.02) if workers else (100.0, 1.0),
-                **{CONFIRMATION_ATTR: True},
+                **{CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: round_},
             )
         )
+    # Three rounds of the very same ratio: the interval has no width.
     assert decide(trials, 3, CONFIRM) == Done()
+    # Were the third round missing its last trial, that would come next.
+    assert decide(trials[:-1], 3, CONFIRM) == Confirm(Remeasure(LoaderParams(32, 2, 2), 2))
 
 
 def test_no_re_measurement_when_it_is_off() -> None:
     assert decide(_searched(), 3, NO_CONFIRM) == Done()
-
-
-def test_re_measurements_stop_at_twice_the_repeats_even_when_they_fail() -> None:
-    trials = _searched()
-    for number in range(3, 3 + 2 * CONFIRM.repeats):
-        trials.append(
-            _trial(
-                number,
-                TrialState.FAIL,
-                num_workers=2,
-                **{CONFIRMATION_ATTR: True, FAILURE_REASON: "exception"},
-            )
-        )
-    decision = decide(trials, 3, CONFIRM)
-    assert isinstance(decision, Confirm)
-    assert {p["num_workers"] for p in decision.queue} == {0}  # only the baseline is left
 
 
 def test_only_this_hardware_class_s_candidates_are_re_measured() -> None:
@@ -220,7 +231,19 @@ def test_only_this_hardware_class_s_candidates_are_re_measured() -> None:
 
 
 def test_confirm_settings_are_the_study_s_else_the_config_s() -> None:
-    config = StudyConfig(confirm_top=2, confirm_repeats=4, loss_tolerance=0.1)
-    assert confirm_settings({}, config) == ConfirmSettings(2, 4, 0.1)
-    stored = {CONFIRM_ATTR: {"top": 0, "repeats": 5}, TOLERANCE_ATTR: 0.2}
-    assert confirm_settings(stored, config) == ConfirmSettings(0, 5, 0.2)
+    config = StudyConfig(
+        confirm_top=2,
+        confirm_min_rounds=4,
+        confirm_max_rounds=9,
+        confirm_half_width=0.03,
+        loss_tolerance=0.1,
+    )
+    assert confirm_settings({}, config) == ConfirmSettings(2, 4, 9, 0.03, 0.1)
+    stored = {
+        CONFIRM_ATTR: {"top": 0, "min_rounds": 5, "max_rounds": 7, "half_width": 0.1},
+        TOLERANCE_ATTR: 0.2,
+    }
+    assert confirm_settings(stored, config) == ConfirmSettings(0, 5, 7, 0.1, 0.2)
+    # A study stored before the paired rounds: its repeats stand for the minimum of rounds.
+    older = {CONFIRM_ATTR: {"top": 3, "repeats": 2}, TOLERANCE_ATTR: 0.05}
+    assert confirm_settings(older, config) == ConfirmSettings(3, 2, 9, 0.03, 0.05)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import re
 import warnings
 from collections import Counter
@@ -24,7 +23,6 @@ from benchmarks import cli
 from benchmarks.ground_truth import FULL_SPACE, QUICK_SPACE, Entry, Space, aggregate
 from benchmarks.replay import (
     BASE_VARIANT,
-    CONFIRM_REPEATS,
     EQUAL_LOSS,
     Run,
     Truth,
@@ -37,8 +35,14 @@ from benchmarks.replay import (
 )
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import SamplerConfig
-from loader_search.study._keys import CEILING_ATTR, CONFIRMATION_ATTR, PARAMS_ATTR, VAL_LOSS_FROM
-from loader_search.study._recommend import confirmation_candidates, summarize_trials
+from loader_search.study._keys import (
+    CEILING_ATTR,
+    CONFIRM_ROUND_ATTR,
+    CONFIRMATION_ATTR,
+    PARAMS_ATTR,
+    VAL_LOSS_FROM,
+)
+from loader_search.study._recommend import summarize_trials
 
 # QUICK_SPACE.configs(): batch 32 and 64, each without workers and with one worker.
 B32_W0, B32_W1, B64_W0, B64_W1 = QUICK_SPACE.configs()
@@ -359,113 +363,30 @@ def test_replay_charges_one_ceiling_reading_per_batch_size_and_threads(seed: int
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_replay_remeasures_until_nothing_is_missing(seed: int) -> None:
+def test_replay_confirms_in_paired_rounds_as_the_worker_does(seed: int) -> None:
     replay = _Replay(tiny_truth(), QUICK_SPACE, VARIANT, seed, TRAINING)
     trials = replay.run(5)
     assert all(t.state == TrialState.COMPLETE for t in trials)
-    summary = summarize_trials("replay", trials, 0.05)
-    # Nothing is missing at the end, and no setting was re-measured past the cap.
-    assert confirmation_candidates(summary, 3, CONFIRM_REPEATS) == []
-    confirmed = Counter(
-        LoaderParams.from_dict(t.user_attrs[PARAMS_ATTR])
-        for t in trials
-        if t.user_attrs.get(CONFIRMATION_ATTR)
-    )
-    assert all(n <= 2 * CONFIRM_REPEATS for n in confirmed.values())
     assert not any(t.user_attrs.get(CONFIRMATION_ATTR) for t in trials[:5])
-
-
-def _queued(replay: _Replay) -> list[dict[str, Any]]:
-    waiting = [t for t in replay.study.get_trials() if t.state == TrialState.WAITING]
-    return [t.system_attrs["fixed_params"] for t in waiting]
-
-
-def test_confirmations_are_queued_round_robin_and_capped() -> None:
-    replay = _Replay(tiny_truth(), QUICK_SPACE, VARIANT, 0, TRAINING)
-    replay.study.enqueue_trial(replay.space.baseline(TRAINING.batch_size))
-    replay.trial(baseline=True)
-    for params in (B32_W1, B64_W0, B64_W1):  # every configuration once
-        replay.study.enqueue_trial({"batch_size": params.batch_size, **_search(params)})
-        replay.trial()
-    summary = summarize_trials("replay", replay.study.get_trials(), 0.05)
-    wanted = confirmation_candidates(summary, 3, CONFIRM_REPEATS)
-    # The baseline and B32_W1 (B64 is past the loss tolerance), each measured once.
-    assert sorted(p.params.num_workers for p, _ in wanted) == [0, 1]
-    assert all(missing == CONFIRM_REPEATS - 1 for _, missing in wanted)
-    queued = replay.queue_confirmations()
-    order = _queued(replay)
-    assert queued == len(order) == 4
-    assert order[0] != order[1] and order[:2] == order[2:]  # A, B, A, B
-
-    # Re-measurements that failed still count towards the cap of 2 x repeats per setting.
-    fresh = _Replay(tiny_truth(), QUICK_SPACE, VARIANT, 0, TRAINING)
-    fresh.study.enqueue_trial(fresh.space.baseline(TRAINING.batch_size))
-    fresh.trial(baseline=True)
-    fresh.study.enqueue_trial({"batch_size": 32, **_search(B32_W1)})
-    fresh.trial()
-    source = fresh.study.get_trials()[1]
-    for _ in range(2 * CONFIRM_REPEATS - 1):
-        fresh.study.add_trial(
-            optuna.trial.create_trial(
-                state=TrialState.FAIL,
-                params=source.params,
-                distributions=source.distributions,
-                user_attrs={CONFIRMATION_ATTR: True, PARAMS_ATTR: B32_W1.as_dict()},
-            )
-        )
-    assert fresh.queue_confirmations() == (CONFIRM_REPEATS - 1) + 1  # baseline 2, B32_W1 1
-    counts = Counter(p["num_workers"] for p in _queued(fresh))
-    assert counts == {0: CONFIRM_REPEATS - 1, 1: 1}
-
-
-class _Scripted(random.Random):
-    """The replay's draw of a repeat: the first ``first`` trials get repeat 0, later ones the
-    last repeat."""
-
-    def __init__(self, first: int) -> None:
-        super().__init__(0)
-        self.first, self.calls = first, 0
-
-    def randrange(self, *args: Any, **kwargs: Any) -> int:
-        self.calls += 1
-        return 0 if self.calls <= self.first else args[0] - 1
-
-
-def test_confirmation_loop_remeasures_a_candidate_that_enters_after_the_first_round() -> None:
-    grid = Space((32, 64), (0, 1, 2), (2,), (True,), (1,))
-    lucky, steady = LoaderParams(64, 1, 2, False, True, 1), LoaderParams(64, 2, 2, False, True, 1)
-    speeds = {lucky: (1000.0, 100.0), steady: (500.0, 500.0)}  # lucky: one fast reading
-    truth = Truth.of(
-        [
-            entry(
-                params,
-                speeds.get(params, (100.0 + 10 * params.num_workers,) * 2)[0],
-                1.0 if params.batch_size == 32 else 1.01,  # within the 5% tolerance
-                throughputs=speeds.get(params, (100.0 + 10 * params.num_workers,) * 2),
-            )
-            for params in grid.configs()
-        ]
+    rounds = Counter(
+        t.user_attrs[CONFIRM_ROUND_ATTR] for t in trials if t.user_attrs.get(CONFIRMATION_ATTR)
     )
-    replay = _Replay(truth, grid, VARIANT, 0, TRAINING)
-    replay.rng = _Scripted(first=5)
-    for params in (LoaderParams(32, 1, 2, False, True, 1), LoaderParams(64), lucky, steady):
-        replay.study.enqueue_trial({"batch_size": params.batch_size, **_search(params)})
-        replay.trial()
-    # `run` with a budget of 1 adds the baseline, then re-measures. First round: lucky (1000
-    # once), the batch-32 point and the baseline, twice each. lucky's median falls to 100:
-    # steady (500) is now on the front, and is re-measured in a second round; then nothing is
-    # missing.
-    trials = replay.run(1)
-    confirmed = Counter(
-        LoaderParams.from_dict(t.user_attrs[PARAMS_ATTR])
-        for t in trials
-        if t.user_attrs.get(CONFIRMATION_ATTR)
-    )
-    assert confirmed[lucky] == 2 and confirmed[steady] == 2
-    assert sum(confirmed.values()) == 8 and len(trials) == 13
     summary = summarize_trials("replay", trials, 0.05)
-    assert summary.recommended is not None and summary.recommended.point.params == steady
-    assert confirmation_candidates(summary, 3, CONFIRM_REPEATS) == []
+    assert summary.recommended is not None
+    if not rounds:  # no setting beat the baseline's reading: nothing to confirm
+        assert summary.recommended.paired is None
+        return
+    settings = replay.confirm
+    # Whole rounds, numbered from 0, at least the minimum and at most the cap, each with the
+    # baseline and the candidates (the tiny table has at most 2 within the loss tolerance).
+    assert sorted(rounds) == list(range(len(rounds)))
+    assert settings.min_rounds <= len(rounds) <= settings.max_rounds
+    assert all(2 <= n <= 3 for n in rounds.values())
+    paired = summary.recommended.paired
+    assert paired is not None and paired.rounds == len(rounds)
+    assert summary.recommended.speedup_vs_baseline == paired.estimate
+    # Nothing more is asked once the rounds ended.
+    assert len(replay.run(0)) == len(trials)
 
 
 def _search(params: LoaderParams) -> dict[str, Any]:

@@ -207,7 +207,10 @@ def test_grid_memory_failures_and_hardware(
     assert len(data.hardware) == 1 and set(data.hardware[0].trials) == recorded
     assert {infeasible, failed} <= recorded
     expected = study.trials[infeasible].user_attrs[HARDWARE_ATTR]
-    assert dict(data.hardware[0].details).keys() == expected.keys()
+    # Every fact shown; byte counts in GiB under their plain name.
+    shown = dict(data.hardware[0].details)
+    assert shown.keys() == {k.removesuffix("_bytes") for k in expected}
+    assert shown["ram"] == f"{expected['ram_bytes'] / 2**30:,.1f} GiB"
     assert dict(data.environment)["optuna_version"] == optuna.__version__
 
 
@@ -216,20 +219,25 @@ def test_importances_for_each_objective(data: ReportData) -> None:
         "throughput_samples_per_s",
         "val_loss",
     ]
-    for item in data.importances:
-        assert item.evaluator == "PedAnovaImportanceEvaluator"
-        if item.values:
-            assert sum(v for _, v in item.values) == pytest.approx(1.0)
-            assert {k for k, _ in item.values} <= {
-                "batch_size",
-                "num_workers",
-                "prefetch_factor",
-                "persistent_workers",
-            }
-            assert "feasible trials" in item.note
-        else:
-            assert item.note.startswith("not computable")
-    assert "-throughput" in data.importances[0].note
+    speed, loss = data.importances
+    assert speed.evaluator == "PedAnovaImportanceEvaluator"
+    if speed.values:
+        assert sum(v for _, v in speed.values) == pytest.approx(1.0)
+        assert {k for k, _ in speed.values} <= {
+            "batch_size",
+            "num_workers",
+            "prefetch_factor",
+            "persistent_workers",
+        }
+        assert "feasible trials" in speed.note
+    else:
+        assert speed.note.startswith("not computable")
+    assert "-throughput" in speed.note
+    # val_loss: only the batch size can change it, by design; no loader setting is ranked.
+    assert loss.evaluator == "by design"
+    assert loss.values in ((), (("batch_size", 1.0),))
+    assert "the loader settings cannot change what the model learns" in loss.note
+    assert "median val_loss by batch size" in loss.note
 
 
 def test_importances_degrade_without_enough_trials(real_study: tuple[str, optuna.Study]) -> None:

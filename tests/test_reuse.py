@@ -17,22 +17,19 @@ from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
     CEILING_FROM,
+    CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     LOADER_EFFICIENCY_ATTR,
     PARAMS_ATTR,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
-from loader_search.study._recommend import (
-    TrialPoint,
-    confirmation_candidates,
-    merge_repeats,
-    pareto_front,
-)
+from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
 from loader_search.study._session import run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.study._worker import count_finished
 from loader_search.workloads import Workload
+from loader_search.workloads.synthetic_images import synthetic_images
 
 TRAINING = TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64)
 CONFIG = StudyConfig(
@@ -114,40 +111,69 @@ def test_without_reuse_every_trial_is_evaluated(tiny_workload: Workload, sqlite_
         assert VAL_LOSS_FROM not in trial.user_attrs
 
 
-def test_candidates_are_measured_again_before_the_recommendation(
-    tiny_workload: Workload, sqlite_url: str
+def test_candidates_are_confirmed_in_paired_rounds_before_the_recommendation(
+    sqlite_url: str,
 ) -> None:
-    config = dataclasses.replace(CONFIG, confirm_top=2, confirm_repeats=3)
-    summary = run_study(config, workload=tiny_workload, storage=sqlite_url)
+    # A training step that waits 200 us per sample with the GIL released (the GPU stand-in):
+    # a persistent loader worker decodes during the wait, so settings with one beat the
+    # baseline (no workers) and there is something to confirm. Every batch size is within
+    # the loss tolerance.
+    workload = synthetic_images(
+        image_size=16, train_size=256, val_size=64, device_us_per_sample=200
+    )
+    config = dataclasses.replace(
+        CONFIG,
+        trials=5,
+        loss_tolerance=10.0,
+        confirm_top=2,
+        confirm_min_rounds=2,
+        confirm_max_rounds=4,
+        confirm_half_width=0.05,
+        training=dataclasses.replace(TRAINING, train_samples=1024),
+        space=dataclasses.replace(
+            CONFIG.space, num_workers=CpuRange(1, 1), persistent_workers=True
+        ),
+    )
+    summary = run_study(config, workload=workload, storage=sqlite_url)
     study = optuna.load_study(study_name="reuse", storage=sqlite_url)
     trials = _complete(study)
     repeats = [t for t in trials if t.user_attrs.get(CONFIRMATION_ATTR)]
-    assert repeats, "re-measurements were queued"
+    assert summary.baseline is not None and summary.recommended is not None
+    assert repeats, "settings with a worker beat the baseline: they are confirmed"
     # They come on top of the budget, which still counts exactly the search trials.
     assert len(trials) == config.trials + len(repeats)
     assert count_finished(study) == config.trials
-    # Each re-measured setting and the baseline now have 3 measurements, and the summary
-    # reports medians over them.
-    assert summary.baseline is not None and summary.recommended is not None
-    for point in {summary.baseline, summary.recommended.point}:
-        assert len(point.measurements) == 3
-        ran = [t for t in trials if _params(t) == point.params]
-        assert sorted(t.number for t in ran) == sorted(point.numbers)
-        assert point.throughput == statistics.median(t.values[0] for t in ran)
-        assert point.spread is not None and point.spread >= 0
-    baseline_trials = [t for t in trials if t.user_attrs.get(BASELINE_ATTR)]
-    assert len(baseline_trials) == 1  # repeats are not baselines of their own
-    # Re-measuring went on until no candidate of the final summary lacked a measurement
-    # (a point falling back to its median can let another one in).
-    assert confirmation_candidates(summary, 2, 3) == []
-    # Round-robin: the re-measurements of different settings alternate.
-    order = [_params(t) for t in sorted(repeats, key=lambda t: t.number)]
-    if len(set(order)) > 1:
-        assert order[0] != order[1]
-    # Every worker re-measures alike: the settings are stored with the study.
-    assert study.user_attrs["confirm"] == {"top": 2, "repeats": 3}
+    # Whole rounds, each with the baseline, between the minimum and the cap.
+    rounds: dict[int, list[LoaderParams]] = {}
+    for trial in sorted(repeats, key=lambda t: t.number):
+        rounds.setdefault(trial.user_attrs[CONFIRM_ROUND_ATTR], []).append(_params(trial))
+    assert sorted(rounds) == list(range(len(rounds)))
+    assert 2 <= len(rounds) <= 4
+    assert all(summary.baseline.params in order for order in rounds.values())
+    assert {len(order) for order in rounds.values()} <= {2, 3}
+    # Rotated: no setting leads two rounds in a row unless it is alone with the baseline.
+    if len(rounds[0]) > 1:
+        assert rounds[0][0] != rounds[1][0]
+    # The recommendation's speedup is the paired estimate, with its interval and verdict;
+    # its samples/s is still the median of every measurement of its setting.
+    rec = summary.recommended
+    assert rec.paired is not None and rec.paired.rounds == len(rounds)
+    assert rec.speedup_vs_baseline == rec.paired.estimate
+    document = summary.as_dict()["recommended"]
+    assert document["speedup_ci95"] == [rec.paired.low, rec.paired.high]
+    assert document["verdict"] in ("faster", "no_reliable_gain")
+    ran = [t for t in trials if _params(t) == rec.point.params]
+    assert rec.point.throughput == statistics.median(t.values[0] for t in ran)
+    assert len([t for t in trials if t.user_attrs.get(BASELINE_ATTR)]) == 1
+    # Every worker confirms alike: the settings are stored with the study.
+    assert study.user_attrs["confirm"] == {
+        "top": 2,
+        "min_rounds": 2,
+        "max_rounds": 4,
+        "half_width": 0.05,
+    }
     # A second run of the finished study queues nothing more.
-    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    run_study(config, workload=workload, storage=sqlite_url)
     assert len(_complete(optuna.load_study(study_name="reuse", storage=sqlite_url))) == len(trials)
 
 

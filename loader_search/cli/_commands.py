@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -33,6 +33,9 @@ from loader_search.cli._console import (
 from loader_search.cli._summary import print_summaries, print_summary
 from loader_search.errors import UserError
 from loader_search.team._storage import STORAGE_ENV, mask_url
+
+if TYPE_CHECKING:
+    from loader_search.study._recommend import Recommendation
 
 app = typer.Typer(
     name="loader-search",
@@ -221,7 +224,7 @@ def worker(
             "--n-trials",
             help=(
                 "Run at most this many trials here. Default: until the study's budget is used"
-                " and its candidates are re-measured."
+                " and its candidates are confirmed."
             ),
             show_default=False,
         ),
@@ -286,17 +289,11 @@ def best(
     loss_tolerance: LossToleranceOption = None,
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
-    from loader_search.study._recommend import summarize
+    from loader_search.study._recommend import summaries
     from loader_search.study._session import open_existing_study
 
     existing = open_existing_study(study, storage, loss_tolerance=loss_tolerance)
-    loaded, tolerance = existing.study, existing.loss_tolerance
-    if len(existing.hardware_classes) > 1:
-        # Throughputs from different machines never compare: one summary per class.
-        summaries = [summarize(loaded, tolerance, key) for key in existing.hardware_classes]
-    else:
-        summaries = [summarize(loaded, tolerance)]
-    print_summaries(summaries, as_json=as_json)
+    print_summaries(summaries(existing.study, existing.loss_tolerance), as_json=as_json)
 
 
 REPORT_FORMATS = ("html", "json")
@@ -405,11 +402,13 @@ def dashboard(
 @app.command()
 @reports_errors
 def studies(storage: StorageOption = None) -> None:
-    """List the studies in a storage with their trial counts."""
+    """List the studies in a storage with their trial counts and recommendations."""
     import optuna
     from optuna.trial import TrialState
 
-    from loader_search.study._keys import BUDGET_ATTR
+    from loader_search.study._config import StudyConfig
+    from loader_search.study._keys import BUDGET_ATTR, DIRECTIONS, study_tolerance
+    from loader_search.study._recommend import hardware_classes, summarize
     from loader_search.team._storage import open_storage, resolve_storage_url
 
     url = resolve_storage_url(storage)
@@ -418,18 +417,39 @@ def studies(storage: StorageOption = None) -> None:
     for name in optuna.study.get_all_study_names(rdb):
         study = optuna.load_study(study_name=name, storage=rdb)
         trials = study.get_trials(deepcopy=False)
-        done = [t for t in trials if t.state == TrialState.COMPLETE]
+        throughput: float | None = None
+        speedup: str | None = "per machine: see best"
+        if len(study.directions) != len(DIRECTIONS):
+            speedup = "not a loader-search study"
+        elif len(hardware_classes(study)) <= 1:
+            summary = summarize(study, study_tolerance(study, StudyConfig().loss_tolerance))
+            rec = summary.recommended
+            throughput = rec.point.throughput if rec else None
+            speedup = _short_speedup(rec) if rec else None
         rows.append(
             StudyRow(
                 name=name,
-                complete=len(done),
+                complete=sum(t.state == TrialState.COMPLETE for t in trials),
                 failed=sum(t.state == TrialState.FAIL for t in trials),
                 running=sum(t.state == TrialState.RUNNING for t in trials),
                 budget=study.user_attrs.get(BUDGET_ATTR),
-                best_throughput=max((t.values[0] for t in done if t.values), default=None),
+                recommended_throughput=throughput,
+                speedup=speedup,
             )
         )
     print_studies(mask_url(url), rows)
+
+
+def _short_speedup(rec: Recommendation) -> str:
+    """The recommendation's speedup for one table cell."""
+    if rec.point.is_baseline:
+        return "keep the baseline"
+    if rec.paired is None:
+        return f"{rec.speedup_vs_baseline:.2f}x (unconfirmed)" if rec.speedup_vs_baseline else "-"
+    interval = f"95% CI {rec.paired.low:.2f}-{rec.paired.high:.2f}"
+    if rec.verdict == "no_reliable_gain":
+        return f"no reliable gain ({interval})"
+    return f"{rec.paired.estimate:.2f}x ({interval})"
 
 
 @app.command()

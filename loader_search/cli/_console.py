@@ -196,14 +196,16 @@ def print_dashboard_ready(storage: str, address: str, host: str) -> None:
 
 @dataclass(frozen=True)
 class StudyRow:
-    """One line of `studies`: a study's trial counts and its best throughput (None if none)."""
+    """One line of `studies`: a study's trial counts and its recommendation as `best` states
+    it (merged repeats; None: none yet, or per machine for a study run on several)."""
 
     name: str
     complete: int
     failed: int
     running: int
     budget: object  # as stored with the study; None: none recorded
-    best_throughput: float | None
+    recommended_throughput: float | None
+    speedup: str | None  # e.g. "1.17x (95% CI 1.08-1.27)"
 
 
 def print_studies(storage: str, rows: Sequence[StudyRow]) -> None:
@@ -212,8 +214,9 @@ def print_studies(storage: str, rows: Sequence[StudyRow]) -> None:
         console.print(escape(f"No studies in {storage}."))
         return
     table = Table(title=escape(f"Studies in {storage}"))
-    for column in ("study", "complete", "failed", "running", "budget", "best samples/s"):
-        table.add_column(column, justify="left" if column == "study" else "right")
+    columns = ("study", "complete", "failed", "running", "budget", "recommended samples/s")
+    for column in (*columns, "speedup"):
+        table.add_column(column, justify="left" if column in ("study", "speedup") else "right")
     for row in rows:
         table.add_row(
             escape(row.name),
@@ -221,7 +224,8 @@ def print_studies(storage: str, rows: Sequence[StudyRow]) -> None:
             str(row.failed),
             str(row.running),
             str(row.budget) if row.budget is not None else "-",
-            f"{row.best_throughput:,.0f}" if row.best_throughput is not None else "-",
+            f"{row.recommended_throughput:,.0f}" if row.recommended_throughput else "-",
+            escape(row.speedup or "-"),
         )
     console.print(table)
 
@@ -290,7 +294,7 @@ class RichReporter:
         if info.finished >= info.budget:
             self.console.print(
                 f"  Trial budget already used; raise --n-trials above {info.budget} to search"
-                " more (candidates not yet re-measured still are).",
+                " more (unfinished confirmation rounds still run).",
                 soft_wrap=True,
             )
             return
@@ -306,7 +310,8 @@ class RichReporter:
     def trial_finished(self, event: TrialEvent) -> None:
         settings = event.params.describe() if event.params else ""
         if event.confirmation:
-            settings += " [dim](re-measure)[/]"
+            round_ = f", round {event.confirm_round}" if event.confirm_round is not None else ""
+            settings += f" [dim](confirm{round_})[/]"
         if event.complete:
             efficiency = f"  eff {event.loader_efficiency:4.0%}" if event.loader_efficiency else ""
             # An early-stopped trial reports its batch size's known val_loss: marked "~".

@@ -69,6 +69,13 @@ def pipeline_lines(view: PipelineView, batch_size: int) -> list[str]:
     return lines
 
 
+def _efficiency(value: float | None) -> str:
+    """A loader efficiency for a table cell: above 100% is flagged, never shown plain."""
+    if not value:
+        return "-"
+    return f"{value:.0%}" + ("!" if value > 1 else "")
+
+
 def print_summary(summary: StudySummary) -> None:
     """The Pareto front as a table, then the recommendation as paste-ready code."""
     out = console
@@ -101,14 +108,16 @@ def print_summary(summary: StudySummary) -> None:
             f"{point.spread:.0%} of {len(point.measurements)}"
             if point.spread is not None
             else "-",
-            f"{point.loader_efficiency:.0%}" if point.loader_efficiency else "-",
+            _efficiency(point.loader_efficiency),
             f"{point.val_loss:.4f}",
             f"{point.throughput / base.throughput:.2f}x" if base else "-",
         )
     out.print(table)
     out.print(
         "  * recommended   b baseline   spread: (max-min)/median of repeated measurements\n"
-        "  eff: loader efficiency, samples/s / the same model fed pre-decoded data",
+        "  eff: loader efficiency, samples/s / the same model fed pre-decoded data"
+        " (! above 100%: that ceiling reading was low, taken under load or by noise; later"
+        " trials read it again)",
         soft_wrap=True,
     )
     if base is not None:
@@ -119,6 +128,12 @@ def print_summary(summary: StudySummary) -> None:
         out.print(
             f"Baseline (trial #{base.number}, {base.params.describe()}):"
             f" {base.throughput:,.0f} samples/s{measured}, val_loss {base.val_loss:.4f}",
+            soft_wrap=True,
+        )
+    if summary.baseline_doubt is not None:
+        out.print(
+            f"[bold yellow]Warning:[/] {escape(summary.baseline_doubt)}; the loss tolerance is"
+            " applied to the best val_loss of the study instead (see the rule below)",
             soft_wrap=True,
         )
     _print_recommendation(summary, out)
@@ -137,9 +152,11 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
             f"[bold]Recommended: keep the baseline[/] (trial #{rec.point.number}): no faster"
             " setting within the loss tolerance was found; try more trials"
         )
+    elif rec.verdict == "no_reliable_gain":
+        headline = f"[bold]Recommended:[/] {escape(rec.speedup_text() or '')}"
     elif rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
         headline += (
-            f" = [bold]{rec.speedup_vs_baseline:.2f}x the baseline[/], val_loss"
+            f" = [bold]{escape(rec.speedup_text() or '')}[/], val_loss"
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
         )
     out.print(headline, soft_wrap=True)
@@ -153,15 +170,22 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
         )
     if rec.point.loader_efficiency:
         out.print(
-            f"  loader efficiency {rec.point.loader_efficiency:.0%}: the same model fed"
-            " pre-decoded data already on the device trains"
-            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s",
+            f"  loader efficiency {_efficiency(rec.point.loader_efficiency)}: the same model"
+            " fed pre-decoded data already on the device trains"
+            f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s"
+            + (
+                " (a reading below this setting's own: taken under load or by noise)"
+                if rec.point.loader_efficiency > 1
+                else ""
+            ),
             soft_wrap=True,
         )
     if rec.pipeline is not None:
         for line in pipeline_lines(rec.pipeline, rec.point.params.batch_size):
             out.print(line, soft_wrap=True, highlight=False)
     out.print(f"  rule: {rec.rule}", soft_wrap=True)
+    if rec.verdict == "no_reliable_gain":
+        out.print("  the best candidate, should you try it anyway:", soft_wrap=True)
     out.print(
         Panel(
             Syntax(rec.snippet, "python", theme="ansi_dark", background_color="default"),

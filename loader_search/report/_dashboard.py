@@ -39,7 +39,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.errors import UserError
-from loader_search.study._recommend import is_feasible
+from loader_search.study._points import is_feasible
 
 if TYPE_CHECKING:
     # Only in BaseStorage's own signatures: Optuna exports no public name for it.

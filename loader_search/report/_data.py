@@ -50,7 +50,14 @@ from loader_search.study._keys import (
     THROUGHPUT,
     VAL_LOSS,
 )
-from loader_search.study._recommend import StudySummary, hypervolume_2d, is_feasible, summarize
+from loader_search.study._points import (
+    TrialPoint,
+    is_feasible,
+    pareto_front,
+    points_of,
+    trial_point,
+)
+from loader_search.study._recommend import StudySummary, hypervolume_2d, summarize
 
 # data_wait_fraction above this: the loader, not the model, set the pace of the trial.
 INPUT_BOUND_THRESHOLD = 0.1
@@ -169,6 +176,12 @@ class ReportData:
     metric_names: tuple[str, str]
     summary: StudySummary
     trials: tuple[ReportTrial, ...]  # finished trials, by number
+    # One per distinct feasible setting, repeats merged into medians: the points `best`,
+    # ``best --json`` and ``studies`` show, whose front is ``summary.pareto``.
+    points: tuple[TrialPoint, ...]
+    # How many trials Optuna's own front (``study.best_trials``: the dashboard, ``optuna
+    # best-trials``) holds: it is computed over raw trials, repeats not merged.
+    optuna_front_trials: int
     n_running: int
     input_bound_threshold: float
     hypervolume: Hypervolume
@@ -187,6 +200,7 @@ class ReportData:
             "generated_at": self.generated_at,
             "metric_names": list(self.metric_names),
             "summary": self.summary.as_dict(),
+            "optuna_front_trials": self.optuna_front_trials,
             "trials": [t.as_dict() for t in self.trials],
             "n_running": self.n_running,
             "input_bound_threshold": self.input_bound_threshold,
@@ -236,6 +250,8 @@ def collect(
         metric_names=(THROUGHPUT, VAL_LOSS),
         summary=summary,
         trials=rows,
+        points=points_of(all_trials).points,
+        optuna_front_trials=len(pareto_front([trial_point(t) for t in feasible])),
         n_running=sum(t.state == TrialState.RUNNING for t in all_trials),
         input_bound_threshold=INPUT_BOUND_THRESHOLD,
         hypervolume=hypervolume_history(finished),
@@ -370,6 +386,9 @@ def importances(
     }
     results = []
     for objective, target, how in targets:
+        if objective == VAL_LOSS:
+            results.append(_val_loss_by_batch(feasible))
+            continue
         evaluator = PedAnovaImportanceEvaluator()
         name = type(evaluator).__name__
         if len(feasible) < 2 or not varying:
@@ -392,6 +411,28 @@ def importances(
         note = f"{name} (Optuna's default) over {len(feasible)} feasible trials; {how}"
         results.append(Importances(objective, name, pairs, note))
     return tuple(results)
+
+
+def _val_loss_by_batch(feasible: Sequence[FrozenTrial]) -> Importances:
+    """val_loss has one cause among the searched settings, by design: every trial trains the
+    same model from the same weights on the same samples in the same order, so the loader
+    settings cannot change what it learns; only the batch size (with its learning rate) can.
+    A statistical importance would rank the loader settings on noise; this says so instead,
+    with the median val_loss of each batch size."""
+    by_batch: dict[int, list[float]] = defaultdict(list)
+    for trial in feasible:
+        params = _params(trial)
+        if params is not None and trial.values:
+            by_batch[params.batch_size].append(trial.values[1])
+    medians = ", ".join(f"{b}: {median(v):.4g}" for b, v in sorted(by_batch.items()))
+    note = (
+        "only batch_size can change it: the loader settings cannot change what the model"
+        " learns (every trial trains the same model from the same weights on the same samples"
+        " in the same order), so no importance is estimated for them"
+        + (f"; median val_loss by batch size: {medians}" if medians else "")
+    )
+    values = (("batch_size", 1.0),) if len(by_batch) > 1 else ()
+    return Importances(VAL_LOSS, "by design", values, note)
 
 
 def throughput_grid(rows: Sequence[ReportTrial]) -> tuple[GridCell, ...]:
@@ -452,11 +493,18 @@ def hardware_groups(trials: Sequence[FrozenTrial]) -> tuple[HardwareGroup, ...]:
     return tuple(
         HardwareGroup(
             hardware_class=str(key_class) if key_class is not None else None,
-            details=tuple((str(k), _show(v)) for k, v in details.items()),
+            details=tuple(_detail(str(k), v) for k, v in details.items()),
             trials=tuple(numbers),
         )
         for key_class, details, numbers in groups.values()
     )
+
+
+def _detail(key: str, value: Any) -> tuple[str, str]:
+    """One hardware fact for people: byte counts in GiB (``ram_bytes`` -> ``ram``)."""
+    if key.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return key.removesuffix("_bytes"), f"{value / 2**30:,.1f} GiB"
+    return key, _show(value)
 
 
 def _show(value: Any) -> str:

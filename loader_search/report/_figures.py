@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from loader_search.report._data import ReportData, ReportTrial
+from loader_search.study._points import TrialPoint
 
 _TEMPLATE = "plotly_white"
 _COLORS = {
@@ -56,28 +57,41 @@ def _label(row: ReportTrial) -> str:
 
 
 def pareto_figure(data: ReportData) -> go.Figure:
-    """The front on top; below it, on their own axis (trial number), the trials that have no
-    objective values to plot: infeasible and failed."""
+    """The front as `best` states it: one point per setting, at the median of its readings
+    (the line and the star sit where the text says); every single reading faint behind it.
+    Below, on their own axis (trial number), the trials that have no objective values to
+    plot, infeasible and failed ones, when there are any."""
+    unplotted = [t for t in data.trials if t.status in ("infeasible", "failed")]
+    rows = 2 if unplotted else 1
     fig = make_subplots(
-        rows=2,
+        rows=rows,
         cols=1,
-        row_heights=[0.82, 0.18],
+        row_heights=[0.82, 0.18] if unplotted else [1.0],
         vertical_spacing=0.14,
-        subplot_titles=("", "not on the front: infeasible and failed trials, by trial number"),
+        subplot_titles=("", "not on the front: infeasible and failed trials, by trial number")
+        if unplotted
+        else None,
     )
-    measured = [t for t in data.trials if t.throughput is not None]
-    front = sorted((t for t in measured if t.status == "pareto"), key=lambda t: t.throughput or 0)
-    dominated = [t for t in measured if t.status == "dominated"]
-    _scatter(fig, dominated, "dominated", dict(color=_COLORS["dominated"], size=9))
+    readings = [t for t in data.trials if t.throughput is not None]
+    _scatter(
+        fig,
+        readings,
+        "single readings",
+        dict(color=_COLORS["dominated"], size=6, opacity=0.45),
+    )
+    front = {p.params for p in data.summary.pareto}
+    dominated = [p for p in data.points if p.params not in front]
+    _points(fig, dominated, "dominated settings", dict(color=_COLORS["dominated"], size=10))
+    line = sorted(data.summary.pareto, key=lambda p: p.throughput)
     fig.add_trace(
         go.Scatter(
-            x=[t.throughput for t in front],
-            y=[t.val_loss for t in front],
+            x=[p.throughput for p in line],
+            y=[p.val_loss for p in line],
             mode="lines+markers",
             line=dict(shape="hv", color=_COLORS["pareto"], dash="dot"),
             marker=dict(color=_COLORS["pareto"], size=11),
-            name="Pareto-optimal",
-            text=[_label(t) for t in front],
+            name="Pareto front (medians)",
+            text=[_point_label(p) for p in line],
             hoverinfo="text",
         ),
         row=1,
@@ -85,45 +99,26 @@ def pareto_figure(data: ReportData) -> go.Figure:
     )
     base = data.summary.baseline
     if base is not None:
-        # At the baseline's median throughput: the one every speedup is stated against.
-        hover = (
-            f"baseline, trial #{base.number}: {base.throughput:,.0f} samples/s (median of the"
-            f" trials with its settings), val_loss {base.val_loss:.4f}"
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[base.throughput],
-                y=[base.val_loss],
-                mode="markers",
-                marker=dict(
-                    color=_COLORS["baseline"], size=16, symbol="square-open", line=dict(width=3)
-                ),
-                name="baseline",
-                text=[hover],
-                hoverinfo="text",
-            ),
-            row=1,
-            col=1,
-        )
+        marker = dict(color=_COLORS["baseline"], size=16, symbol="square-open", line=dict(width=3))
+        _points(fig, [base], "baseline", marker)
     rec = data.summary.recommended
     if rec is not None:
-        point = data.trial(rec.point.number)
-        _scatter(
-            fig,
-            [point],
-            "recommended",
-            dict(color=_COLORS["recommended"], size=22, symbol="star-open", line=dict(width=3)),
+        marker = dict(
+            color=_COLORS["recommended"], size=22, symbol="star-open", line=dict(width=3)
         )
+        _points(fig, [rec.point], "recommended", marker)
     for status, symbol in (("infeasible", "x"), ("failed", "triangle-down")):
-        rows = [t for t in data.trials if t.status == status]
+        rows_ = [t for t in unplotted if t.status == status]
+        if not rows_:
+            continue
         fig.add_trace(
             go.Scatter(
-                x=[t.number for t in rows],
-                y=[status] * len(rows),
+                x=[t.number for t in rows_],
+                y=[status] * len(rows_),
                 mode="markers",
                 marker=dict(color=_COLORS[status], size=12, symbol=symbol),
-                name=f"{status} ({len(rows)})",
-                text=[_label(t) for t in rows],
+                name=f"{status} ({len(rows_)})",
+                text=[_label(t) for t in rows_],
                 hoverinfo="text",
             ),
             row=2,
@@ -131,10 +126,46 @@ def pareto_figure(data: ReportData) -> go.Figure:
         )
     fig.update_xaxes(title_text="throughput (samples/s, higher is better)", row=1, col=1)
     fig.update_yaxes(title_text="val_loss (lower is better)", row=1, col=1)
-    fig.update_xaxes(title_text="trial number", row=2, col=1)
-    fig.update_yaxes(type="category", categoryarray=["failed", "infeasible"], row=2, col=1)
-    fig.update_layout(height=620, template=_TEMPLATE, legend=dict(orientation="h", y=1.08))
+    if unplotted:
+        fig.update_xaxes(title_text="trial number", row=2, col=1)
+        fig.update_yaxes(type="category", categoryarray=["failed", "infeasible"], row=2, col=1)
+    fig.update_layout(
+        height=620 if unplotted else 520,
+        template=_TEMPLATE,
+        legend=dict(orientation="h", y=1.08),
+    )
     return fig
+
+
+def _point_label(point: TrialPoint) -> str:
+    readings = (
+        f"median of {len(point.measurements)} readings" if point.measurements else "one reading"
+    )
+    return "<br>".join(
+        [
+            f"trial #{point.number}" + (" (baseline)" if point.is_baseline else ""),
+            point.params.describe(),
+            f"{point.throughput:,.0f} samples/s ({readings}), val_loss {point.val_loss:.4f}",
+        ]
+    )
+
+
+def _points(
+    fig: go.Figure, points: Sequence[TrialPoint], name: str, marker: dict[str, Any]
+) -> None:
+    fig.add_trace(
+        go.Scatter(
+            x=[p.throughput for p in points],
+            y=[p.val_loss for p in points],
+            mode="markers",
+            marker=marker,
+            name=name,
+            text=[_point_label(p) for p in points],
+            hoverinfo="text",
+        ),
+        row=1,
+        col=1,
+    )
 
 
 def _scatter(
@@ -243,25 +274,31 @@ def throughput_grid_figure(data: ReportData) -> go.Figure:
         }
         z = [[_cell(cells, w, p, "value") for p in prefetches] for w in workers]
         text = [[_cell(cells, w, p, "text") for p in prefetches] for w in workers]
+        hover = [[_cell(cells, w, p, "hover") for p in prefetches] for w in workers]
         fig.add_trace(
             go.Heatmap(
                 x=x_labels,
                 y=[f"{w} workers" for w in workers],
                 z=z,
                 text=text,
+                customdata=hover,
                 texttemplate="%{text}",
+                textfont=dict(size=10),
                 zmin=0,
                 zmax=top,
                 colorscale="Viridis",
                 showscale=col == len(batches),
                 colorbar=dict(title=dict(text="samples/s")),
-                hovertemplate="%{y}, %{x}: %{text} samples/s<extra></extra>",
+                hovertemplate="batch %{meta}, %{y}, %{x}: %{customdata}<extra></extra>",
+                meta=batch,
             ),
             row=1,
             col=col,
         )
     fig.update_xaxes(type="category", tickangle=-45)
-    fig.update_yaxes(type="category")
+    # Worker labels once, on the left: repeated beside every panel they ran into its cells.
+    fig.update_yaxes(type="category", showticklabels=False)
+    fig.update_yaxes(showticklabels=True, row=1, col=1)
     fig.update_layout(height=360, template=_TEMPLATE)
     return fig
 
@@ -274,7 +311,9 @@ def _cell(
         return None if what == "value" else ""
     if what == "value":
         return cell.throughput
-    return f"{cell.throughput:,.0f} ({cell.n_trials})"
+    if what == "text":
+        return f"{cell.throughput:,.0f}"
+    return f"{cell.throughput:,.0f} samples/s, median of {cell.n_trials} trial(s)"
 
 
 def data_wait_figure(data: ReportData) -> go.Figure:
@@ -303,16 +342,37 @@ def data_wait_figure(data: ReportData) -> go.Figure:
     return fig
 
 
+ABOVE_CEILING = (
+    "above the ceiling read for its batch size and threads: that reading was low (taken"
+    " under load, or noise); later trials of the pair read it again"
+)
+
+
 def efficiency_figure(data: ReportData) -> go.Figure:
+    """Loader efficiency per trial; a bar above the ceiling is drawn in the failure colour,
+    with why in its hover text (see loader_search.study._plan)."""
     rows = [t for t in data.trials if t.loader_efficiency is not None]
     fig = go.Figure(
         go.Bar(
             x=[t.number for t in rows],
             y=[t.loader_efficiency for t in rows],
             marker_color=[
-                _COLORS["baseline"] if t.is_baseline else _COLORS["compute"] for t in rows
+                _COLORS["failed"]
+                if (t.loader_efficiency or 0) > 1
+                else _COLORS["baseline"]
+                if t.is_baseline
+                else _COLORS["compute"]
+                for t in rows
             ],
-            text=[_label(t) for t in rows],
+            text=[
+                _label(t)
+                + (
+                    f"<br>{ABOVE_CEILING}"
+                    if t.loader_efficiency is not None and t.loader_efficiency > 1
+                    else ""
+                )
+                for t in rows
+            ],
             hoverinfo="text",
             textposition="none",
         )
@@ -370,7 +430,10 @@ def memory_figure(data: ReportData) -> go.Figure:
         )
     if not with_params:
         _empty_note(fig, "no finished trial yet", None)
-    fig.update_xaxes(title_text="batch size", type="log")
+    sizes = sorted({t.params.batch_size for t in with_params if t.params})
+    fig.update_xaxes(
+        title_text="batch size", type="log", tickmode="array", tickvals=sizes, ticktext=sizes
+    )
     fig.update_yaxes(title_text="peak memory (MiB)", rangemode="tozero")
     fig.update_layout(height=380, template=_TEMPLATE, legend=dict(orientation="h", y=1.12))
     return fig

@@ -143,6 +143,11 @@ def _recommendation(data: ReportData) -> str:
             f" {html.escape(base.params.describe())}: {base.throughput:,.0f} samples/s{measured},"
             f" val_loss {base.val_loss:.4f}</td></tr>"
         )
+    if s.baseline_doubt is not None:
+        rows.append(
+            f"<tr><th>Warning</th><td>{html.escape(s.baseline_doubt)}; the loss tolerance is"
+            " applied to the best val_loss of the study instead</td></tr>"
+        )
     if rec is None:
         body = "<p>No completed feasible trial yet: nothing to recommend.</p>"
         return f"<section><h2>Recommendation</h2>{body}</section>"
@@ -156,10 +161,9 @@ def _recommendation(data: ReportData) -> str:
             " was found; try more trials"
         )
     rows.append(f"<tr><th>Recommended</th><td>{verdict}</td></tr>")
-    if rec.speedup_vs_baseline is not None:
-        rows.append(
-            f"<tr><th>Speedup</th><td><b>{rec.speedup_vs_baseline:.2f}x</b> the baseline</td></tr>"
-        )
+    speedup = rec.speedup_text()
+    if speedup is not None and not p.is_baseline:
+        rows.append(f"<tr><th>Speedup</th><td><b>{html.escape(speedup)}</b></td></tr>")
     if rec.val_loss_change_vs_baseline is not None:
         rows.append(
             f"<tr><th>val_loss</th><td>{p.val_loss:.4f}"
@@ -174,13 +178,22 @@ def _recommendation(data: ReportData) -> str:
 
 
 def _pareto_note(data: ReportData) -> str:
-    n = sum(t.status == "pareto" for t in data.trials)
-    return (
-        f"{n} Pareto-optimal trial(s) (Optuna's best_trials over the feasible trials)."
-        " Dominated trials in grey; the baseline boxed, the recommendation starred. Infeasible"
-        " and failed trials have no measured objective values (an infeasible trial's stored"
-        " values are placeholders), so they are listed below the front instead."
+    n = len(data.summary.pareto)
+    unplotted = sum(t.status in ("infeasible", "failed") for t in data.trials)
+    note = (
+        f"{n} Pareto-optimal setting(s): as in <code>best</code> and <code>studies</code>, the"
+        " trials that ran one setting are one point at the median of their readings (the faint"
+        " dots are the single readings). Optuna's own views (optuna-dashboard, <code>optuna"
+        " best-trials</code>) compute the front over raw trials, repeats not merged:"
+        f" {data.optuna_front_trials} trial(s) there. Dominated settings in grey; the baseline"
+        " boxed, the recommendation starred."
     )
+    if unplotted:
+        note += (
+            " Infeasible and failed trials have no measured objective values (an infeasible"
+            " trial's stored values are placeholders), so they are listed below the front."
+        )
+    return note
 
 
 def _memory_note(data: ReportData) -> str:

@@ -1,6 +1,6 @@
 """The budget decision every worker takes under the study lock, and the benchmarks' replay too:
 given the study's trials, take the next search trial, wait for the ones running elsewhere,
-queue re-measurements of the candidates, or stop.
+queue the next confirmation trial of the candidates, or stop.
 
 Pure: the decision reads the trials it is given (states and attrs) and returns what to do;
 the caller reads the study and acts on it (`loader_search.study._worker._take_trial`,
@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.study._config import StudyConfig
+from loader_search.study._confirm import ConfirmSettings, Remeasure, next_remeasure
 from loader_search.study._guide import Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -25,7 +26,6 @@ from loader_search.study._keys import (
     RETRY_HISTORY,
     TOLERANCE_ATTR,
 )
-from loader_search.study._recommend import confirmation_queue
 from loader_search.trial._failures import INTERRUPTED
 
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
@@ -36,14 +36,14 @@ _BASELINE_PRESENT = (TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING
 def uses_budget(trial: FrozenTrial) -> bool:
     """Whether a trial counts against the study's budget.
 
-    Queued, running and completed trials count, except re-measurements of the candidates,
-    which are queued once the budget is used. A failed trial counts when it failed on its
+    Queued, running and completed trials count, except the confirmation trials, which are
+    queued once the budget is used. A failed trial counts when it failed on its
     own (a crash, a hang): that is a result. Not counted: an interrupted trial, a failed
     baseline (the study stops and queues it again), and a trial whose worker died (no
     failure reason: it is queued again as a retry, which counts instead).
     """
     if trial.user_attrs.get(CONFIRMATION_ATTR):
-        return False  # re-measurements come after the budget (see `confirmations`)
+        return False  # confirmation rounds come after the budget (see `_confirm`)
     if trial.state != TrialState.FAIL:
         return True
     reason = trial.user_attrs.get(FAILURE_REASON)
@@ -77,42 +77,19 @@ def needs_baseline(trials: Sequence[FrozenTrial]) -> bool:
     return not any(t.user_attrs.get(BASELINE_ATTR) for t in trials if t.state in _BASELINE_PRESENT)
 
 
-@dataclass(frozen=True)
-class ConfirmSettings:
-    """How the candidates are re-measured once the budget is used (0 ``top``: not at all)."""
-
-    top: int  # the fastest Pareto points within the tolerance (and the baseline)
-    repeats: int  # measurements each should have in all
-    loss_tolerance: float
-
-
 def confirm_settings(attrs: Mapping[str, Any], config: StudyConfig) -> ConfirmSettings:
-    """The re-measurement settings as the study stores them (``run`` and ``init`` do), else
-    the config's, so every worker applies the same ones."""
+    """The confirmation settings as the study stores them (``run`` and ``init`` do), else
+    the config's, so every worker applies the same ones. A study stored before the paired
+    rounds has ``repeats``: it stands for the minimum of rounds."""
     stored = attrs.get(CONFIRM_ATTR) or {}
+    # An interval needs 2 rounds; older studies allowed 1 repeat.
+    low = max(2, int(stored.get("min_rounds", stored.get("repeats", config.confirm_min_rounds))))
     return ConfirmSettings(
         top=int(stored.get("top", config.confirm_top)),
-        repeats=int(stored.get("repeats", config.confirm_repeats)),
+        min_rounds=low,
+        max_rounds=max(low, int(stored.get("max_rounds", config.confirm_max_rounds))),
+        half_width=float(stored.get("half_width", config.confirm_half_width)),
         loss_tolerance=float(attrs.get(TOLERANCE_ATTR, config.loss_tolerance)),
-    )
-
-
-def confirmations(
-    trials: Sequence[FrozenTrial], confirm: ConfirmSettings, hardware_class: str | None = None
-) -> list[dict[str, Any]]:
-    """The re-measurements to queue now (trial parameters, in order), so that the
-    recommendation rests on medians.
-
-    The candidates are the ``confirm.top`` fastest points of the Pareto front within the
-    loss tolerance, and the baseline: each runs until it has ``confirm.repeats``
-    measurements. Asked again whenever the queue runs dry, as a point that falls back to its
-    median can let another one in; that one is re-measured too. A setting gets at most
-    ``2 * repeats`` re-measurements (some may fail), so this ends (see `confirmation_queue`).
-    """
-    if confirm.top == 0:
-        return []
-    return confirmation_queue(
-        list(trials), confirm.loss_tolerance, confirm.top, confirm.repeats, hardware_class
     )
 
 
@@ -137,15 +114,14 @@ class Wait:
 
 @dataclass(frozen=True)
 class Confirm:
-    """The budget is used and nothing runs: queue these re-measurements (trial parameters,
-    in order), then take the first."""
+    """The budget is used and nothing runs: queue this confirmation trial, then take it."""
 
-    queue: tuple[dict[str, Any], ...]
+    remeasure: Remeasure
 
 
 @dataclass(frozen=True)
 class Done:
-    """The budget is used, nothing runs, and nothing is left to re-measure."""
+    """The budget is used, nothing runs, and the confirmation rounds are done."""
 
 
 Decision: TypeAlias = Take | Wait | Confirm | Done
@@ -168,8 +144,8 @@ def decide(
     for the grid sampler (``grid_size``: its number of combinations), a combination is left,
     a new trial is taken, the baseline first when there is none, then the model's
     ``proposals`` (as many as the budget has room for). Once the budget is used:
-    wait while trials run, then re-measure what `confirmations` finds missing (on
-    ``hardware_class``'s trials), then stop.
+    wait while trials run, then run the confirmation rounds one trial at a time (on
+    ``hardware_class``'s trials; see `loader_search.study._confirm`), then stop.
     """
     if any(t.state == TrialState.WAITING for t in trials):
         return Take()
@@ -184,5 +160,5 @@ def decide(
     running = sum(t.state == TrialState.RUNNING for t in trials)
     if running:
         return Wait(running)
-    queue = confirmations(trials, confirm, hardware_class)
-    return Confirm(tuple(queue)) if queue else Done()
+    remeasure = next_remeasure(trials, confirm, hardware_class)
+    return Confirm(remeasure) if remeasure is not None else Done()

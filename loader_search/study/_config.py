@@ -90,10 +90,14 @@ class StudyConfig:
     timeout_s: float | None = None
     seed: int = 0
     loss_tolerance: float = 0.05
-    # Before recommending, re-measure the fastest ``confirm_top`` candidates and the baseline
-    # until each has ``confirm_repeats`` measurements (0 turns it off).
+    # Before recommending, confirm the fastest ``confirm_top`` candidates against the baseline
+    # in paired rounds (0 turns it off; see loader_search.study._confirm): at least
+    # ``confirm_min_rounds``, until the leader's 95% interval is within
+    # ``confirm_half_width`` of its estimate, at most ``confirm_max_rounds``.
     confirm_top: int = 3
-    confirm_repeats: int = 3
+    confirm_min_rounds: int = 3
+    confirm_max_rounds: int = 10
+    confirm_half_width: float = 0.05
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     device: str = "auto"
@@ -121,6 +125,12 @@ class StudyConfig:
             )
         if not self.workload:
             raise ConfigError("workload.name", self.workload, "must be a non-empty string")
+        if self.confirm_max_rounds < self.confirm_min_rounds:
+            raise ConfigError(
+                "study.confirm_max_rounds",
+                self.confirm_max_rounds,
+                f"must be at least study.confirm_min_rounds ({self.confirm_min_rounds})",
+            )
         if self.training.batch_size not in self.space.batch_sizes:
             raise ConfigError(
                 "training.batch_size",
@@ -194,7 +204,14 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     seed = study.int("seed", defaults.seed)
     loss_tolerance = study.number("loss_tolerance", defaults.loss_tolerance)
     confirm_top = study.int("confirm_top", defaults.confirm_top)
-    confirm_repeats = study.int("confirm_repeats", defaults.confirm_repeats)
+    if "confirm_repeats" in study.data:
+        raise UserError(
+            f"{source}: study.confirm_repeats is gone: candidates are now confirmed in paired"
+            " rounds; use confirm_min_rounds (and confirm_max_rounds, confirm_half_width)"
+        )
+    confirm_min_rounds = study.int("confirm_min_rounds", defaults.confirm_min_rounds)
+    confirm_max_rounds = study.int("confirm_max_rounds", defaults.confirm_max_rounds)
+    confirm_half_width = study.number("confirm_half_width", defaults.confirm_half_width)
     study.done()
 
     workload_name = workload.string("name", defaults.workload)
@@ -219,7 +236,9 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
             seed=seed,
             loss_tolerance=loss_tolerance,
             confirm_top=confirm_top,
-            confirm_repeats=confirm_repeats,
+            confirm_min_rounds=confirm_min_rounds,
+            confirm_max_rounds=confirm_max_rounds,
+            confirm_half_width=confirm_half_width,
             workload=workload_name,
             workload_options=options,
             device=device,

@@ -32,7 +32,8 @@ class TrialEvent:
     pareto_size: int
     best_throughput: float | None
     best_val_loss: float | None
-    confirmation: bool = False  # a re-measurement of a candidate, after the budget
+    confirmation: bool = False  # a trial of the paired confirmation rounds, after the budget
+    confirm_round: int | None = None  # its round
     val_loss_from: tuple[int, ...] = ()  # stopped early: the val_loss is theirs
     loader_efficiency: float | None = None  # throughput / ceiling
 

@@ -34,7 +34,7 @@ from loader_search.study._keys import (
     trial_hardware_class,
 )
 from loader_search.study._pipeline import Observation, PipelineModel, Prediction, fit
-from loader_search.study._recommend import is_feasible
+from loader_search.study._points import is_feasible
 from loader_search.study._space import IntRange, ResolvedSpace
 
 ROUNDS = 2

@@ -18,10 +18,15 @@ from collections.abc import Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.study._keys import BASELINE_ATTR, CONFIRMATION_ATTR, RETRY_HISTORY
+from loader_search.study._keys import (
+    BASELINE_ATTR,
+    CONFIRM_ROUND_ATTR,
+    CONFIRMATION_ATTR,
+    RETRY_HISTORY,
+)
 
 # What a retry copies of the dead trial's attrs: what it is, not what it half-measured.
-_KEPT_ON_RETRY = frozenset({BASELINE_ATTR, CONFIRMATION_ATTR})
+_KEPT_ON_RETRY = frozenset({BASELINE_ATTR, CONFIRMATION_ATTR, CONFIRM_ROUND_ATTR})
 
 # Warnings about what these threads do on purpose; set once, as `warnings.catch_warnings` is
 # not thread-safe and the sweeper and heartbeat threads run beside the main one.

@@ -14,7 +14,13 @@ stop that fits the problem: what is saved is the convergence part, which the loa
 affect. `benchmarks/` measures both the saving and the search quality with and without it.
 
 **Ceiling.** The throughput of the model on pre-decoded batches already on the device depends
-on batch size and thread count only: measured once per pair, then reused.
+on batch size and thread count only: measured once per pair, then reused, unless the reading
+cannot be trusted: it was taken while other processes kept more than `BUSY_LIMIT` of the
+machine's CPUs busy, or a trial of the pair has since trained faster than it (by more than
+`BEATEN_BY`: no loader beats the model fed from memory, so that reading was low). Then the
+next trial of the pair reads the ceiling again; the readings left are combined by their
+median. After `MAX_CEILING_READINGS` readings of a pair none of which is trusted, the highest
+stands, and a trial above it shows an efficiency over 100%, flagged where it is shown.
 
 Only trials of the same hardware class are reused (a GPU's numerics differ from a CPU's).
 """
@@ -30,14 +36,19 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
 from loader_search.study._keys import (
     CEILING_ATTR,
+    CEILING_LOAD_ATTR,
     HARDWARE_CLASS_ATTR,
     VAL_LOSS_ATTR,
+    number,
     stored_params,
 )
-from loader_search.study._recommend import is_feasible
+from loader_search.study._points import is_feasible
 from loader_search.trial._run import short_run_samples
 
 # Trial user attributes (the measurements themselves are `TrialResult` fields).
+BUSY_LIMIT = 0.25  # of the machine's CPUs, used by other processes during a ceiling reading
+BEATEN_BY = 0.02  # a trial this much faster than a ceiling reading shows the reading was low
+MAX_CEILING_READINGS = 3  # per batch size and thread count: then the highest one is used
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,19 @@ class Reuse:
     val_loss_from: tuple[int, ...] = ()
     ceiling: float | None = None  # known for this batch size and thread count
     ceiling_from: tuple[int, ...] = ()
+
+
+def trusted_ceiling(trial: FrozenTrial, fastest: float) -> bool:
+    """Whether ``trial``'s ceiling reading may be reused, ``fastest`` being the best
+    throughput a trial of its batch size and thread count has reached (see the module
+    docstring)."""
+    reading = number(trial.user_attrs, CEILING_ATTR)
+    if reading is None or reading <= 0:
+        return False
+    load = number(trial.user_attrs, CEILING_LOAD_ATTR)
+    if load is not None and load > BUSY_LIMIT:
+        return False
+    return fastest <= reading * (1 + BEATEN_BY)
 
 
 def plan_trial(
@@ -71,11 +95,13 @@ def plan_trial(
         if other is not None and other.batch_size == params.batch_size:
             same_batch.append((t, other))
     evaluated = [t for t, _ in same_batch if VAL_LOSS_ATTR in t.user_attrs]
-    with_ceiling = [
-        t
-        for t, other in same_batch
-        if CEILING_ATTR in t.user_attrs and other.torch_threads == params.torch_threads
-    ]
+    pair = [(t, other) for t, other in same_batch if other.torch_threads == params.torch_threads]
+    fastest = max((t.values[0] for t, _ in pair if t.values), default=0.0)
+    with_ceiling = [t for t, _ in pair if trusted_ceiling(t, fastest)]
+    readings = [t for t, _ in pair if number(t.user_attrs, CEILING_ATTR)]
+    if not with_ceiling and len(readings) >= MAX_CEILING_READINGS:
+        # Read often enough: the highest reading stands (a loader beating it is flagged).
+        with_ceiling = [max(readings, key=lambda t: float(t.user_attrs[CEILING_ATTR]))]
     short = short_run_samples(params, settings, train_size)
     val_loss = None
     if reuse_val_loss and evaluated:

@@ -1,85 +1,34 @@
 """From a study to plain results: the Pareto front, the baseline and one recommendation.
 
 Everything here returns plain frozen dataclasses (or JSON-ready dicts) so the terminal output,
-``best --json`` and reports are all drawn from the same numbers.
+``best --json``, ``studies`` and the reports are all drawn from the same numbers: the points of
+`loader_search.study._points` (repeats merged into medians) and their front.
 
-Throughput is noisy (5-25% from one run to the next on a small shared CPU), so trials that ran
-the exact same settings are one point: its throughput and validation loss are the medians of
-their measurements. The study re-measures its best candidates before it ends (see
-`loader_search.study._worker`), so the recommendation rests on medians, not on one lucky reading.
-
-The recommendation rule: among the Pareto-optimal points, the fastest one whose validation
-loss is at most the baseline's plus ``loss_tolerance`` (relative), i.e. "faster without making
-the model worse than what you have now". When the baseline did not complete, the best
-validation loss of the study stands in for it. The chosen point is always on the front: any
-point dominating it would be faster and also within the tolerance.
+The recommendation rule: "faster without making the model worse than what you have now". Its
+validation loss is at most the baseline's plus ``loss_tolerance`` (relative; the best
+validation loss of the study stands in for a baseline that did not complete, or whose
+validation loss is not credible). Once the study has confirmed its candidates in paired
+rounds against the baseline (see `loader_search.study._confirm`), it is the confirmed
+candidate with the highest paired speedup (one surely faster than the baseline before one
+that may not be), stated with its 95% interval and a verdict. Before that (a study still
+searching, or one run with confirmation off), it is the fastest Pareto-optimal point within
+the tolerance, with a bare ratio of medians and no verdict.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from statistics import median
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
 from loader_search.params import LoaderParams, dataloader_snippet
-from loader_search.study._keys import (
-    BASELINE_ATTR,
-    CONFIRMATION_ATTR,
-    HARDWARE_CLASS_ATTR,
-    LOADER_EFFICIENCY_ATTR,
-    LR_ATTR,
-    PARAMS_ATTR,
-    PIPELINE_ATTR,
-    stored_params,
-)
+from loader_search.study._confirm import PairedSpeedup, paired_speedups, preference
+from loader_search.study._keys import HARDWARE_CLASS_ATTR, PIPELINE_ATTR
 from loader_search.study._pipeline import PipelineModel
-
-
-@dataclass(frozen=True)
-class TrialPoint:
-    """One setting's results, as the user reads it: a completed trial, or the median of
-    every completed trial that ran these exact settings (``numbers``, first = ``number``)."""
-
-    number: int
-    params: LoaderParams
-    throughput: float
-    val_loss: float
-    is_baseline: bool
-    lr: float | None = None  # the learning rate it trained with (scaled for its batch size)
-    # Every throughput measured for these exact settings when more than one trial ran them;
-    # ``throughput`` is then their median.
-    measurements: tuple[float, ...] = ()
-    numbers: tuple[int, ...] = ()
-    # Throughput / the ceiling (the model fed pre-decoded data on the device); a median.
-    loader_efficiency: float | None = None
-
-    @property
-    def spread(self) -> float | None:
-        """(max - min) / median of the throughput measurements; None for a single one."""
-        if len(self.measurements) < 2:
-            return None
-        return (max(self.measurements) - min(self.measurements)) / self.throughput
-
-    def as_dict(self) -> dict[str, Any]:
-        data = {
-            "number": self.number,
-            "params": self.params.as_dict(),
-            "throughput": self.throughput,
-            "val_loss": self.val_loss,
-            "lr": self.lr,
-            "baseline": self.is_baseline,
-            "loader_efficiency": self.loader_efficiency,
-        }
-        if self.measurements:
-            data["throughput_measurements"] = list(self.measurements)
-            data["throughput_spread"] = self.spread
-            data["trials"] = list(self.numbers)
-        return data
+from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 
 
 @dataclass(frozen=True)
@@ -115,15 +64,47 @@ class Recommendation:
     val_loss_change_vs_baseline: float | None  # relative: +0.01 is 1% worse
     rule: str
     pipeline: PipelineView | None = None
+    # From the paired confirmation rounds; None before them (then the speedup is a bare
+    # ratio of medians).
+    paired: PairedSpeedup | None = None
 
     @property
     def snippet(self) -> str:
         return dataloader_snippet(self.point.params, lr=self.point.lr)
 
+    def speedup_text(self) -> str | None:
+        """The speedup as every view states it: with its interval once confirmed, a plain
+        "keep it" when no setting is reliably faster, and never a bare number unmarked."""
+        if self.speedup_vs_baseline is None:
+            return None
+        if self.paired is None:
+            return (
+                f"{self.speedup_vs_baseline:.2f}x the baseline (not confirmed in paired"
+                " rounds: no interval)"
+            )
+        interval = (
+            f"95% CI {self.paired.low:.2f}-{self.paired.high:.2f}, paired over"
+            f" {self.paired.rounds} rounds"
+        )
+        if self.paired.verdict == "faster":
+            return f"{self.speedup_vs_baseline:.2f}x the baseline ({interval})"
+        return (
+            "no setting is reliably faster than your baseline at this noise level (the best"
+            f" candidate: {self.speedup_vs_baseline:.2f}x, {interval}): keep it"
+        )
+
+    @property
+    def verdict(self) -> str | None:
+        """ "faster", "no_reliable_gain", or None before the confirmation rounds."""
+        return self.paired.verdict if self.paired else None
+
     def as_dict(self) -> dict[str, Any]:
         return {
             **self.point.as_dict(),
             "speedup_vs_baseline": self.speedup_vs_baseline,
+            "speedup_ci95": [self.paired.low, self.paired.high] if self.paired else None,
+            "verdict": self.verdict,
+            "confirmation_rounds": self.paired.rounds if self.paired else 0,
             "val_loss_change_vs_baseline": self.val_loss_change_vs_baseline,
             "rule": self.rule,
             "snippet": self.snippet,
@@ -143,6 +124,8 @@ class StudySummary:
     loss_tolerance: float
     n_infeasible: int = 0  # completed, but ran out of memory or diverged: never recommended
     hardware_class: str | None = None  # set when the summary covers one class of several
+    # Why the baseline's val_loss is not the recommendation's reference (None: it is).
+    baseline_doubt: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -156,153 +139,44 @@ class StudySummary:
             },
             "loss_tolerance": self.loss_tolerance,
             "baseline": self.baseline.as_dict() if self.baseline else None,
+            "baseline_doubt": self.baseline_doubt,
             "pareto": [p.as_dict() for p in self.pareto],
             "recommended": self.recommended.as_dict() if self.recommended else None,
         }
 
 
-def trial_point(trial: FrozenTrial) -> TrialPoint:
-    """A completed trial's effective settings and objective values."""
-    assert trial.values is not None, "only completed trials have values"
-    stored = trial.user_attrs.get(PARAMS_ATTR)
-    params = LoaderParams.from_dict(stored if stored else trial.params)
-    return TrialPoint(
-        number=trial.number,
-        params=params,
-        throughput=trial.values[0],
-        val_loss=trial.values[1],
-        is_baseline=bool(trial.user_attrs.get(BASELINE_ATTR, False)),
-        lr=trial.user_attrs.get(LR_ATTR),
-        loader_efficiency=trial.user_attrs.get(LOADER_EFFICIENCY_ATTR),
-    )
-
-
-def tolerance_limit(
-    pareto: tuple[TrialPoint, ...], baseline: TrialPoint | None, loss_tolerance: float
-) -> tuple[float, float, str]:
-    """The largest val_loss the recommendation accepts, its reference, and what that is."""
-    if baseline is not None:
-        reference, what = baseline.val_loss, "the baseline's val_loss"
-    else:
-        reference, what = min(p.val_loss for p in pareto), "the best val_loss"
-    return reference + loss_tolerance * abs(reference), reference, what
-
-
 def recommend(
-    pareto: tuple[TrialPoint, ...], baseline: TrialPoint | None, loss_tolerance: float
+    pareto: tuple[TrialPoint, ...],
+    baseline: TrialPoint | None,
+    loss_tolerance: float,
+    confirmed: Mapping[TrialPoint, PairedSpeedup] | None = None,
+    doubt: str | None = None,
 ) -> Recommendation | None:
-    """Apply the recommendation rule (see the module docstring) to a Pareto front."""
+    """Apply the recommendation rule (see the module docstring) to a Pareto front and the
+    points ``confirmed`` in paired rounds; with ``doubt`` about the baseline's val_loss,
+    the tolerance is applied to the best val_loss instead."""
     if not pareto:
         return None
-    limit, reference, what = tolerance_limit(pareto, baseline, loss_tolerance)
-    candidates = [p for p in pareto if p.val_loss <= limit]
-    chosen = max(candidates, key=lambda p: (p.throughput, -p.val_loss))
-    rule = (
-        f"fastest Pareto-optimal trial with val_loss <= {limit:.4g}"
-        f" ({what} {reference:.4g} + {loss_tolerance:.0%})"
-    )
-    speedup = change = None
-    if baseline is not None:
-        speedup = chosen.throughput / baseline.throughput
-        change = (chosen.val_loss - baseline.val_loss) / abs(baseline.val_loss)
-    return Recommendation(chosen, speedup, change, rule)
-
-
-def merge_repeats(points: list[TrialPoint]) -> list[TrialPoint]:
-    """One point per distinct setting: trials that ran the same settings become one, with
-    the medians of their throughputs and validation losses (in order of first trial)."""
-    groups: dict[LoaderParams, list[TrialPoint]] = {}
-    for point in sorted(points, key=lambda p: p.number):
-        groups.setdefault(point.params, []).append(point)
-    merged = []
-    for group in groups.values():
-        first = group[0]
-        if len(group) == 1:
-            merged.append(replace(first, numbers=(first.number,)))
-            continue
-        throughputs = tuple(p.throughput for p in group)
-        merged.append(
-            replace(
-                first,
-                throughput=median(throughputs),
-                val_loss=median(p.val_loss for p in group),
-                is_baseline=any(p.is_baseline for p in group),
-                loader_efficiency=_median_or_none([p.loader_efficiency for p in group]),
-                measurements=throughputs,
-                numbers=tuple(p.number for p in group),
-            )
+    limit, reference, what = tolerance_limit(pareto, baseline, loss_tolerance, doubt)
+    allowed = f"val_loss <= {limit:.4g} ({what} {reference:.4g} + {loss_tolerance:.0%})"
+    within = {p: s for p, s in (confirmed or {}).items() if p.val_loss <= limit}
+    paired: PairedSpeedup | None = None
+    if within and baseline is not None:
+        chosen, paired = max(within.items(), key=lambda item: preference(item[1]))
+        speedup: float | None = paired.estimate
+        rule = (
+            "the highest speedup over the baseline in paired rounds (a surely faster candidate"
+            f" first), among the candidates confirmed with {allowed}"
         )
-    return merged
-
-
-def confirmation_candidates(
-    summary: StudySummary, top: int, repeats: int
-) -> list[tuple[TrialPoint, int]]:
-    """What to re-measure before recommending, and how many more times: the ``top`` fastest
-    Pareto points the rule can choose (within the loss tolerance) and the baseline, each up
-    to ``repeats`` measurements in all."""
-    chosen: list[TrialPoint] = []
-    if summary.pareto and top > 0:
-        limit = tolerance_limit(summary.pareto, summary.baseline, summary.loss_tolerance)[0]
-        within = [p for p in summary.pareto if p.val_loss <= limit]
-        chosen = sorted(within, key=lambda p: -p.throughput)[:top]
-    if summary.baseline is not None and summary.baseline not in chosen:
-        chosen.append(summary.baseline)
-    wanted = [(point, repeats - max(1, len(point.numbers))) for point in chosen]
-    return [(point, missing) for point, missing in wanted if missing > 0]
-
-
-def confirmation_queue(
-    trials: list[FrozenTrial],
-    loss_tolerance: float,
-    top: int,
-    repeats: int,
-    hardware_class: str | None = None,
-) -> list[dict[str, Any]]:
-    """The re-measurements to queue now, as the trial parameters to enqueue, in order.
-
-    What `confirmation_candidates` finds missing, at most ``2 * repeats`` re-measurements
-    per setting in all (failed ones count, so that asking again ends), round-robin (A, B,
-    baseline, A, B, ...): a change of load on the machine then hits every candidate alike,
-    and a timeout leaves them evenly measured. The worker and the benchmarks' replay both
-    queue what this returns.
-    """
-    summary = summarize_trials("", trials, loss_tolerance, hardware_class)
-    by_number = {t.number: t for t in trials}
-    attempts = Counter(stored_params(t) for t in trials if t.user_attrs.get(CONFIRMATION_ATTR))
-    wanted = []
-    for point, missing in confirmation_candidates(summary, top, repeats):
-        allowed = min(missing, 2 * repeats - attempts[point.params])
-        if allowed > 0:
-            wanted.append((by_number[point.number], allowed))
-    return [
-        dict(source.params)
-        for round_ in range(max((n for _, n in wanted), default=0))
-        for source, allowed in wanted
-        if round_ < allowed
-    ]
-
-
-def _median_or_none(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return median(known) if known else None
-
-
-def pareto_front(points: list[TrialPoint]) -> tuple[TrialPoint, ...]:
-    """The points no other point beats on both objectives (faster and lower val_loss, one of
-    them strictly), fastest first."""
-    front: list[TrialPoint] = []
-    for point in sorted(points, key=lambda p: (-p.throughput, p.val_loss, p.number)):
-        if not front or point.val_loss < front[-1].val_loss:
-            front.append(point)
-        elif point.val_loss == front[-1].val_loss and point.throughput == front[-1].throughput:
-            front.append(point)  # an exact tie: neither dominates, as in Optuna
-    return tuple(front)
-
-
-def is_feasible(trial: FrozenTrial) -> bool:
-    """Optuna's rule: every constraint set with ``trial.set_constraint`` is <= 0."""
-    return all(value <= 0.0 for value in trial.constraints.values())
+    else:
+        candidates = [p for p in pareto if p.val_loss <= limit]
+        chosen = max(candidates, key=lambda p: (p.throughput, -p.val_loss))
+        speedup = chosen.throughput / baseline.throughput if baseline is not None else None
+        rule = f"fastest Pareto-optimal trial with {allowed}"
+    change = None
+    if baseline is not None:
+        change = (chosen.val_loss - baseline.val_loss) / abs(baseline.val_loss)
+    return Recommendation(chosen, speedup, change, rule, paired=paired)
 
 
 def hardware_classes(study: optuna.Study) -> list[str]:
@@ -313,6 +187,15 @@ def hardware_classes(study: optuna.Study) -> list[str]:
         if key is not None:
             seen.setdefault(key, None)
     return list(seen)
+
+
+def summaries(study: optuna.Study, loss_tolerance: float) -> list[StudySummary]:
+    """The study's results: one summary, or one per hardware class when it ran on several
+    (throughputs from different machines never compare)."""
+    classes = hardware_classes(study)
+    if len(classes) > 1:
+        return [summarize(study, loss_tolerance, key) for key in classes]
+    return [summarize(study, loss_tolerance)]
 
 
 def summarize(
@@ -359,28 +242,29 @@ def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
 
 def summarize_trials(
     study_name: str,
-    trials: list[FrozenTrial],
+    trials: Sequence[FrozenTrial],
     loss_tolerance: float,
     hardware_class: str | None = None,
 ) -> StudySummary:
     """`summarize` over given trials (the benchmarks replay studies trial by trial)."""
-    if hardware_class is not None:
-        trials = [t for t in trials if t.user_attrs.get(HARDWARE_CLASS_ATTR) == hardware_class]
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    feasible = [t for t in complete if is_feasible(t)]
-    points = merge_repeats([trial_point(t) for t in feasible])
-    baseline = next((p for p in points if p.is_baseline), None)
-    pareto = pareto_front(points)
+    found = points_of(trials, hardware_class)
+    confirmed: dict[TrialPoint, PairedSpeedup] = {}
+    if found.baseline is not None:
+        speedups = paired_speedups(trials, found.baseline.params, hardware_class)
+        confirmed = {p: speedups[p.params] for p in found.points if p.params in speedups}
     return StudySummary(
         study_name=study_name,
-        n_complete=len(feasible),
-        n_failed=sum(t.state == TrialState.FAIL for t in trials),
-        n_running=sum(t.state == TrialState.RUNNING for t in trials),
-        baseline=baseline,
-        pareto=pareto,
-        recommended=recommend(pareto, baseline, loss_tolerance),
+        n_complete=found.n_complete,
+        n_failed=found.n_failed,
+        n_running=found.n_running,
+        baseline=found.baseline,
+        pareto=found.pareto,
+        recommended=recommend(
+            found.pareto, found.baseline, loss_tolerance, confirmed, found.baseline_doubt
+        ),
+        baseline_doubt=found.baseline_doubt,
         loss_tolerance=loss_tolerance,
-        n_infeasible=len(complete) - len(feasible),
+        n_infeasible=found.n_infeasible,
         hardware_class=hardware_class,
     )
 

@@ -34,11 +34,13 @@ from loader_search.study._keys import (
     TOLERANCE_ATTR,
 )
 from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
+from loader_search.study._note import write_note
 from loader_search.study._recommend import StudySummary, hardware_classes, summarize
 from loader_search.study._space import ResolvedSpace
 from loader_search.study._stored import fingerprint, settle_budget, store_settings, stored_config
 from loader_search.study._worker import count_finished, work
 from loader_search.team._hardware import Hardware
+from loader_search.team._locks import study_lock
 from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.trial._system import usable_cpus
@@ -187,6 +189,7 @@ def run_study(
         assert session is not None  # a machine was given
         reporter.study_started(info)
         work(session, reporter, timeout_s=config.timeout_s)
+        _leave_note(session, config.loss_tolerance, reporter)
         return _summary(session.study, config.loss_tolerance, session.hardware)
 
 
@@ -260,6 +263,7 @@ def run_worker(
         work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
         study = session.study
         tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, session.config.loss_tolerance))
+        _leave_note(session, tolerance, reporter)
         return _summary(study, tolerance, session.hardware)
 
 
@@ -394,6 +398,16 @@ def prepare_session(
         gpu=machine.gpu,
         allow_mixed_hardware=machine.allow_mixed_hardware,
     )
+
+
+def _leave_note(session: Session, loss_tolerance: float, reporter: Reporter) -> None:
+    """The study's answer as its optuna-dashboard note (see `loader_search.study._note`),
+    under the study lock; a failure costs the note, never the results."""
+    try:
+        with study_lock(session.rdb.engine, session.study_id):
+            write_note(session.study, loss_tolerance)
+    except Exception as exc:  # the trials are stored: say so and go on
+        reporter.warning(f"cannot write the dashboard note: {type(exc).__name__}: {exc}")
 
 
 def _summary(study: optuna.Study, loss_tolerance: float, hardware: Hardware) -> StudySummary:

@@ -1,6 +1,6 @@
 """What a study stores for the processes that join it, written by `run` and `init`: the
 fingerprint a continued study must share, the config document, the environment, the trial
-budget and the re-measurement settings; and the config read back by a worker (`stored_config`).
+budget and the confirmation settings; and the config read back by a worker (`stored_config`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def store_settings(
     budget: int,
 ) -> list[str]:
     """Store what workers joining the study use: its config and fingerprint (unless results
-    were measured under them), budget, tolerance and re-measurement settings. Returns a note
+    were measured under them), budget, tolerance and confirmation settings. Returns a note
     when a stored config is replaced."""
     notes = []
     if created or study.user_attrs.get(FINGERPRINT_ATTR) != fingerprint:
@@ -121,7 +121,13 @@ def store_settings(
     study.set_user_attr(BUDGET_ATTR, budget)
     study.set_user_attr(TOLERANCE_ATTR, config.loss_tolerance)
     study.set_user_attr(
-        CONFIRM_ATTR, {"top": config.confirm_top, "repeats": config.confirm_repeats}
+        CONFIRM_ATTR,
+        {
+            "top": config.confirm_top,
+            "min_rounds": config.confirm_min_rounds,
+            "max_rounds": config.confirm_max_rounds,
+            "half_width": config.confirm_half_width,
+        },
     )
     return notes
 

@@ -47,6 +47,7 @@ from loader_search.study._heartbeats import Every, Health, fail_stale_trials
 from loader_search.study._keys import (
     BASELINE_ATTR,
     BUDGET_ATTR,
+    CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
@@ -60,7 +61,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._plan import plan_trial
-from loader_search.study._recommend import is_feasible
+from loader_search.study._points import is_feasible
 from loader_search.study._record import Recorded, known_failure, record, record_interrupted
 from loader_search.team._locks import host_lock, study_lock
 from loader_search.team._storage import retrying
@@ -112,11 +113,15 @@ def _take_trial(
         if isinstance(decision, Wait):
             return decision
         if isinstance(decision, Confirm):
-            # Re-measurements of the candidates, so that the recommendation rests on medians.
-            for queued in decision.queue:
-                study.enqueue_trial(
-                    queued, user_attrs={CONFIRMATION_ATTR: True}, skip_if_exists=False
-                )
+            # The next trial of the paired rounds against the baseline (see _confirm).
+            study.enqueue_trial(
+                session.space.trial_params(decision.remeasure.params),
+                user_attrs={
+                    CONFIRMATION_ATTR: True,
+                    CONFIRM_ROUND_ATTR: decision.remeasure.round,
+                },
+                skip_if_exists=False,
+            )
         elif decision.baseline:
             # Queued by the worker that takes the first trial: the baseline's thread count
             # depends on the machine that runs it.
@@ -369,6 +374,7 @@ def _event(
         best_throughput=max((t.values[0] for t in feasible), default=None),
         best_val_loss=min((t.values[1] for t in feasible), default=None),
         confirmation=bool(trial.user_attrs.get(CONFIRMATION_ATTR)),
+        confirm_round=trial.user_attrs.get(CONFIRM_ROUND_ATTR),
         val_loss_from=recorded.val_loss_from,
         loader_efficiency=recorded.loader_efficiency,
     )

@@ -35,7 +35,7 @@ from loader_search.params import (
 from loader_search.trial._loader import build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
 from loader_search.trial._stages import StageCosts, StageMeter, TimedCollate, timed_dataset
-from loader_search.trial._system import usable_cpus
+from loader_search.trial._system import OtherLoad, usable_cpus
 from loader_search.workloads import Workload
 
 # Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
@@ -106,6 +106,12 @@ class TrialResult:
     short_train_time_s: float | None = None
     full_window_throughput_samples_per_s: float | None = None
     ceiling_samples_per_s: float | None = None
+    # The loss of the first training batch, before any step: what the untrained model scores
+    # (a validation loss above it is not credible; see loader_search.study._points).
+    untrained_loss: float | None = None
+    # The share of the machine's CPUs other processes used while the ceiling was read: a
+    # reading taken while the machine was busy is not reused (see loader_search.study._plan).
+    ceiling_other_load: float | None = None
     # Stage costs over the same window (see `loader_search.trial._stages`).
     producer_cpu_s_per_sample: float | None = None
     collate_cpu_s_per_batch: float | None = None
@@ -187,7 +193,7 @@ def run_trial(
             budget = settings.train_samples
             if plan.stop_early and plan.short_samples is not None:
                 budget = min(budget, plan.short_samples)
-            last_loss, epochs, stats, costs = _train(
+            last_loss, first_loss, epochs, stats, costs = _train(
                 model,
                 optimizer,
                 workload,
@@ -202,6 +208,7 @@ def run_trial(
             del loader  # shuts down persistent workers before evaluation
             train_time = time.perf_counter() - train_start
             final_loss = float(last_loss)
+            untrained_loss = float(first_loss)
             if not math.isfinite(final_loss):
                 raise TrainingDiverged(
                     f"training loss became {final_loss} at lr={lr:.4g}; lower the learning rate"
@@ -218,9 +225,11 @@ def run_trial(
                     raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
         # The trial's own peak: the ceiling's extra batches on the device are not the loader's.
         peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        ceiling = None
+        ceiling = other_load = None
         if plan.measure_ceiling:
+            load = OtherLoad()
             ceiling = measure_ceiling(model, optimizer, workload, params, device, tick)
+            other_load = load.share()
     finally:
         torch.set_num_threads(previous_threads)
     window = mark.stats or stats
@@ -250,6 +259,8 @@ def run_trial(
             stats.throughput if mark.stats and not plan.stop_early else None
         ),
         ceiling_samples_per_s=ceiling,
+        ceiling_other_load=other_load,
+        untrained_loss=untrained_loss if math.isfinite(untrained_loss) else None,
         producer_cpu_s_per_sample=window_costs.producer_cpu_s_per_sample,
         collate_cpu_s_per_batch=window_costs.collate_cpu_s_per_batch,
         main_cpu_s_per_batch=window_costs.main_cpu_s_per_batch,
@@ -341,10 +352,10 @@ def _train(
     params: LoaderParams,
     progress: Callable[[], None],
     mark: _Mark,
-) -> tuple[torch.Tensor, int, WindowStats, StageCosts]:
-    """The training loop; returns the last batch's loss (a tensor: no per-step device sync),
-    the epochs begun, the measured window and its stage costs. The loader yields
-    `TimedBatch`es (see `loader_search.trial._stages`)."""
+) -> tuple[torch.Tensor, torch.Tensor, int, WindowStats, StageCosts]:
+    """The training loop; returns the last batch's loss and the first's (tensors: no
+    per-step device sync), the epochs begun, the measured window and its stage costs. The
+    loader yields `TimedBatch`es (see `loader_search.trial._stages`)."""
     meter, stages = meters
     model.train()
     meter.start()
@@ -352,6 +363,7 @@ def _train(
     epochs = 1
     seen = 0
     loss = torch.zeros(())
+    first: torch.Tensor | None = None
     in_process = params.num_workers == 0
     while seen < budget:
         meter.wait_begin()
@@ -373,6 +385,8 @@ def _train(
         targets = targets.to(device, non_blocking=params.pin_memory)
         stages.copied(time.thread_time() - cpu_before)
         loss = workload.loss_fn(model(inputs), targets)
+        if first is None:
+            first = loss.detach()  # the untrained model's loss: before its first step
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
@@ -387,7 +401,7 @@ def _train(
     stats = meter.finish()
     costs = stages.snapshot()
     del iterator
-    return loss.detach(), epochs, stats, costs
+    return loss.detach(), loss.detach() if first is None else first, epochs, stats, costs
 
 
 def _evaluate(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -11,6 +13,7 @@ import torch
 from loader_search.errors import UserError
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_STAT = Path("/proc/stat")
 
 
 def _read_cpu_max(path: Path) -> float | None:
@@ -168,3 +171,48 @@ def start_method() -> str:
             multiprocessing.get_all_start_methods()[0]  # the platform default comes first
         )
     )
+
+
+def machine_busy_cpu_s(
+    cpus: Collection[int] | None = None, path: Path = _PROC_STAT
+) -> float | None:
+    """CPU seconds the ``cpus`` (every CPU of the machine: None) have spent busy since boot,
+    from ``/proc/stat`` (user, nice, system, irq, softirq, steal); None where there is none."""
+    try:
+        lines = path.read_text().splitlines()
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    wanted = {"cpu"} if cpus is None else {f"cpu{n}" for n in cpus}
+    busy = 0
+    found = 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 9 or fields[0] not in wanted:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+        busy += user + nice + system + irq + softirq + steal
+        found += 1
+    return busy / ticks if found == len(wanted) else None
+
+
+class OtherLoad:
+    """How busy the rest of the machine was, on the CPUs this process may run on, over a
+    stretch of its work: the CPU seconds other processes used there, as a share of those
+    CPUs (0: idle, 1: all of them busy). Workers pinned to other CPUs do not count. Start
+    it, do the work, read `share`."""
+
+    def __init__(self) -> None:
+        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self._busy = machine_busy_cpu_s(self._cpus)
+        self._own = time.process_time()
+        self._wall = time.perf_counter()
+
+    def share(self) -> float | None:
+        busy = machine_busy_cpu_s(self._cpus)
+        cpus = len(self._cpus) if self._cpus is not None else os.cpu_count()
+        wall = time.perf_counter() - self._wall
+        if busy is None or self._busy is None or not cpus or wall <= 0:
+            return None
+        others = (busy - self._busy) - (time.process_time() - self._own)
+        return min(1.0, max(0.0, others / (wall * cpus)))

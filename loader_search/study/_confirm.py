@@ -1,0 +1,307 @@
+"""Paired, interleaved confirmation: the speedup a user can bet on.
+
+Once the search has used its budget, the baseline and the fastest candidates (the ``top``
+fastest settings within the loss tolerance that beat the baseline's reading, Pareto-optimal
+or not: one reading cannot tell settings of one batch size apart) run again in rounds. Each
+round measures every setting once, in an order rotated by one from the round before (B A C,
+A C B, C B A, ...), one trial at a time per hardware class, so that a slow spell of the
+machine, or a neighbour's load, hits every setting of a round alike. A candidate's speedup is
+estimated from its per-round ratios against the baseline: the geometric mean, with a 95%
+Student-t interval on the log ratios (the paired t-interval: the rounds are the pairs, and a
+ratio of throughputs is closer to log-normal than to normal). Rounds go on until every
+candidate still in them was measured in ``min_rounds``, and the leader's interval is within
+``half_width`` of its estimate, or the leader was measured in ``max_rounds``. The leader,
+here as in the recommendation (`preference`), is a candidate surely faster than the baseline
+before one that may not be, then the one with the higher estimate. Its interval is not widened for
+having been chosen among up to ``top`` candidates: the benchmarks measure how often it
+covers a side-by-side measurement (``python -m benchmarks claims``). A candidate whose
+interval lies wholly below the leader's (after ``min_rounds``), or whose trial failed
+`MAX_FAILURES` times, leaves the rounds for good.
+
+The verdict is "faster" when the interval's lower end is above 1, else "no_reliable_gain":
+at this noise level no setting is reliably faster than the baseline.
+
+Pure: everything is computed from the trials given (the worker reads them under the study
+lock, the benchmarks' replay from its own study), so every worker of a team agrees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import fmean, stdev
+from typing import Literal
+
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.params import LoaderParams
+from loader_search.study._keys import (
+    CONFIRM_ROUND_ATTR,
+    FAILURE_REASON,
+    is_confirmation,
+    stored_params,
+    trial_hardware_class,
+)
+from loader_search.study._points import is_feasible, points_of, tolerance_limit
+from loader_search.trial._failures import INTERRUPTED
+
+Verdict = Literal["faster", "no_reliable_gain"]
+FASTER: Verdict = "faster"
+NO_RELIABLE_GAIN: Verdict = "no_reliable_gain"
+MAX_FAILURES = 2  # a setting whose re-measurement failed this often leaves the rounds
+
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; beyond the table
+# the next smaller listed degree's value is used, which is slightly wider (conservative).
+_T_975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+    17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
+    120: 1.980,
+}  # fmt: skip
+
+
+def t_975(degrees: int) -> float:
+    """The 0.975 quantile of Student's t with ``degrees`` degrees of freedom (>= 1)."""
+    if degrees < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {degrees}")
+    return _T_975[max(d for d in _T_975 if d <= degrees)]
+
+
+@dataclass(frozen=True)
+class ConfirmSettings:
+    """How the candidates are confirmed once the budget is used (``top`` 0: not at all)."""
+
+    top: int  # candidates besides the baseline
+    min_rounds: int
+    max_rounds: int
+    half_width: float  # stop once the leader's 95% interval is within this of its estimate
+    loss_tolerance: float
+
+
+@dataclass(frozen=True)
+class PairedSpeedup:
+    """A candidate's speedup over the baseline from paired rounds."""
+
+    estimate: float  # the geometric mean of the per-round ratios
+    low: float  # its 95% interval
+    high: float
+    rounds: int  # rounds in which both it and the baseline were measured
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval, relative to the estimate."""
+        return (self.high - self.low) / 2 / self.estimate
+
+    @property
+    def verdict(self) -> Verdict:
+        return FASTER if self.low > 1.0 else NO_RELIABLE_GAIN
+
+
+def preference(speedup: PairedSpeedup) -> tuple[bool, float]:
+    """How candidates rank, the recommendation's and the rounds' leader alike: one surely
+    faster than the baseline before one that may not be, then the higher estimate."""
+    return speedup.verdict == FASTER, speedup.estimate
+
+
+def paired_speedup(ratios: Sequence[float]) -> PairedSpeedup | None:
+    """The speedup and its 95% interval from per-round ratios (None for fewer than 2)."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = fmean(logs)
+    margin = t_975(len(logs) - 1) * stdev(logs) / math.sqrt(len(logs))
+    return PairedSpeedup(
+        math.exp(mean), math.exp(mean - margin), math.exp(mean + margin), len(ratios)
+    )
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """What the confirmation rounds of one hardware class measured so far."""
+
+    baseline: LoaderParams | None
+    candidates: tuple[LoaderParams, ...]  # fastest (by the search's readings) first
+    # round -> settings -> its trial's throughput (None: the trial failed; see measured_rounds)
+    measured: dict[int, dict[LoaderParams, float | None]]
+
+    @property
+    def settings(self) -> tuple[LoaderParams, ...]:
+        return (self.baseline, *self.candidates) if self.baseline else ()
+
+    def ratios(self, candidate: LoaderParams, before: int | None = None) -> list[float]:
+        """Per round (before round ``before``): candidate / baseline, where both measured."""
+        out = []
+        for number, values in sorted(self.measured.items()):
+            if before is not None and number >= before:
+                break
+            mine, base = values.get(candidate), values.get(self.baseline)  # type: ignore[arg-type]
+            if mine and base:
+                out.append(mine / base)
+        return out
+
+    def speedups(self, before: int | None = None) -> dict[LoaderParams, PairedSpeedup]:
+        found = {}
+        for candidate in self.candidates:
+            speedup = paired_speedup(self.ratios(candidate, before))
+            if speedup is not None:
+                found[candidate] = speedup
+        return found
+
+    def failures(self, params: LoaderParams, before: int) -> int:
+        return sum(
+            params in values and values[params] is None
+            for number, values in self.measured.items()
+            if number < before
+        )
+
+    def active(self, round_: int, min_rounds: int) -> list[LoaderParams]:
+        """The settings round ``round_`` measures: the baseline and every candidate that has
+        not left. A candidate leaves, for good, when its trial failed `MAX_FAILURES` times,
+        or when after a round its interval (once it was measured in ``min_rounds``) lies
+        wholly below the leader's; judged round by round on the rounds before each."""
+        gone: set[LoaderParams] = set()
+        for number in range(round_ + 1):
+            speedups = self.speedups(before=number)
+            leader = max(speedups.values(), key=preference, default=None)
+            for params in self.settings:
+                mine = speedups.get(params)
+                if self.failures(params, number) >= MAX_FAILURES or (
+                    leader is not None
+                    and mine is not None
+                    and mine is not leader
+                    and mine.rounds >= min_rounds
+                    and mine.high < leader.low
+                ):
+                    gone.add(params)
+        if self.baseline in gone:
+            return []
+        return [p for p in self.settings if p not in gone]
+
+    def order(self, round_: int, min_rounds: int) -> list[LoaderParams]:
+        """Round ``round_``'s order: its active settings rotated by the round number."""
+        active = self.active(round_, min_rounds)
+        if not active:
+            return []
+        shift = round_ % len(active)
+        return active[shift:] + active[:shift]
+
+
+def measured_rounds(
+    trials: Sequence[FrozenTrial], hardware_class: str | None = None
+) -> dict[int, dict[LoaderParams, float | None]]:
+    """Round -> settings -> the throughput its finished trial measured (None: it failed on
+    its own, was infeasible, or measured nothing). Trials still running, interrupted ones and
+    those of a dead worker are left out."""
+    measured: dict[int, dict[LoaderParams, float | None]] = {}
+    for trial in trials:
+        number = trial.user_attrs.get(CONFIRM_ROUND_ATTR)
+        params = stored_params(trial)
+        if isinstance(number, bool) or not isinstance(number, int) or params is None:
+            continue
+        if hardware_class is not None and trial_hardware_class(trial) != hardware_class:
+            continue
+        if trial.state == TrialState.COMPLETE:
+            value = trial.values[0] if is_feasible(trial) and trial.values else 0.0
+            measured.setdefault(number, {})[params] = value if value > 0 else None
+        elif trial.state == TrialState.FAIL and trial.user_attrs.get(FAILURE_REASON) not in (
+            None,
+            INTERRUPTED,
+        ):
+            # A failure of its own. Not one: a Ctrl-C (interrupted) or a dead worker (no
+            # reason: its retry keeps the round); the slot is measured again.
+            measured.setdefault(number, {})[params] = None
+    return measured
+
+
+def paired_speedups(
+    trials: Sequence[FrozenTrial], baseline: LoaderParams, hardware_class: str | None = None
+) -> dict[LoaderParams, PairedSpeedup]:
+    """Every setting's speedup over ``baseline`` from the rounds run so far (settings
+    measured in fewer than 2 rounds beside it have none)."""
+    measured = measured_rounds(trials, hardware_class)
+    settings = {p for values in measured.values() for p in values if p != baseline}
+    return Rounds(baseline, tuple(settings), measured).speedups()
+
+
+def rounds_of(
+    trials: Sequence[FrozenTrial], confirm: ConfirmSettings, hardware_class: str | None = None
+) -> Rounds:
+    """The candidates the search left (see the module docstring; the rounds themselves
+    left out) and what the rounds measured of them."""
+    searched = points_of([t for t in trials if not is_confirmation(t)], hardware_class)
+    baseline = searched.baseline
+    candidates: list[LoaderParams] = []
+    if baseline is not None and searched.pareto and confirm.top > 0:
+        limit = tolerance_limit(
+            searched.pareto, baseline, confirm.loss_tolerance, searched.baseline_doubt
+        )[0]
+        faster = [
+            p
+            for p in searched.points
+            if p.val_loss <= limit and p.throughput > baseline.throughput and not p.is_baseline
+        ]
+        faster.sort(key=lambda p: (-p.throughput, p.number))
+        candidates = [p.params for p in faster[: confirm.top]]
+    return Rounds(
+        baseline.params if baseline is not None else None,
+        tuple(candidates),
+        measured_rounds(trials, hardware_class),
+    )
+
+
+@dataclass(frozen=True)
+class Remeasure:
+    """One confirmation trial to queue: its settings and its round."""
+
+    params: LoaderParams
+    round: int
+
+
+def next_remeasure(
+    trials: Sequence[FrozenTrial], confirm: ConfirmSettings, hardware_class: str | None = None
+) -> Remeasure | None:
+    """The next confirmation trial, or None when the rounds are done (see the module
+    docstring). Asked with no trial of the study running, so one runs at a time.
+
+    A study whose search went on after its rounds (``run --n-trials`` more) starts a new
+    round: its candidates may have changed, and a new one is measured beside the baseline
+    of its own time, never slotted into an old round."""
+    rounds = rounds_of(trials, confirm, hardware_class)
+    if not rounds.candidates:
+        return None
+    current = max(rounds.measured, default=0)
+    if rounds.measured and _searched_since(trials, hardware_class):
+        current += 1
+    while True:
+        order = rounds.order(current, confirm.min_rounds)
+        missing = [p for p in order if p not in rounds.measured.get(current, {})]
+        if missing:
+            return Remeasure(missing[0], current)
+        if not order or _settled(rounds, current + 1, confirm):
+            return None
+        current += 1
+
+
+def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
+    """Whether the rounds before ``next_round`` are enough: every candidate still in them
+    was measured in at least ``min_rounds``, and the leader's interval is within
+    ``half_width`` or the leader was measured in ``max_rounds`` (the cap)."""
+    active = rounds.active(next_round, confirm.min_rounds)
+    if not active:
+        return True  # the baseline failed: nothing to pair with
+    counts = {p: len(rounds.ratios(p)) for p in active if p != rounds.baseline}
+    if any(n < confirm.min_rounds for n in counts.values()):
+        return False
+    speedups = rounds.speedups()
+    leader = max((speedups[p] for p in counts), key=preference)
+    return leader.rounds >= confirm.max_rounds or leader.half_width <= confirm.half_width
+
+
+def _searched_since(trials: Sequence[FrozenTrial], hardware_class: str | None) -> bool:
+    """Whether a search trial ran after the last confirmation trial."""
+    mine = [
+        t for t in trials if hardware_class is None or trial_hardware_class(t) == hardware_class
+    ]
+    last = max((t.number for t in mine if is_confirmation(t)), default=-1)
+    return any(t.number > last and not is_confirmation(t) for t in mine)

@@ -1,0 +1,326 @@
+"""Paired, interleaved confirmation (`loader_search.study._confirm`) on hand-made studies.
+
+The studies are real Optuna studies in memory whose trials are added with known readings, so
+the order of the rounds, when they stop, and the interval each candidate ends with are worked
+out here by hand. The end-to-end path (real workers, real trials) is in tests/test_reuse.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import optuna
+import pytest
+from optuna.distributions import IntDistribution
+from optuna.trial import FrozenTrial, TrialState
+from scipy import stats
+
+from loader_search.params import LoaderParams
+from loader_search.study._budget import confirm_settings
+from loader_search.study._config import StudyConfig
+from loader_search.study._confirm import (
+    FASTER,
+    NO_RELIABLE_GAIN,
+    ConfirmSettings,
+    Remeasure,
+    next_remeasure,
+    paired_speedup,
+    t_975,
+)
+from loader_search.study._keys import (
+    BASELINE_ATTR,
+    CONFIRM_ATTR,
+    CONFIRM_ROUND_ATTR,
+    CONFIRMATION_ATTR,
+    FAILURE_REASON,
+    PARAMS_ATTR,
+)
+from loader_search.study._recommend import summarize_trials
+from loader_search.trial._failures import INTERRUPTED
+
+BASE = LoaderParams(64, 0, torch_threads=2)
+FAST = LoaderParams(64, 2, 2, False, True, 1)  # the leader
+MID = LoaderParams(64, 1, 2, False, True, 1)
+SLOW = LoaderParams(32, 1, 2, False, True, 1)  # lower val_loss, slower than the others
+SETTINGS = ConfirmSettings(top=3, min_rounds=3, max_rounds=8, half_width=0.05, loss_tolerance=0.05)
+LOSS = {64: 1.0, 32: 0.9}
+
+
+def _trial(
+    params: LoaderParams, throughput: float | None, reason: str = "exception", **attrs: object
+) -> FrozenTrial:
+    """A completed trial, or (``throughput`` None) one that failed for ``reason``."""
+    if throughput is None:
+        attrs[FAILURE_REASON] = reason
+    return optuna.trial.create_trial(
+        state=TrialState.COMPLETE if throughput is not None else TrialState.FAIL,
+        params={"num_workers": params.num_workers},
+        distributions={"num_workers": IntDistribution(0, 3)},
+        values=[throughput, LOSS[params.batch_size]] if throughput is not None else None,
+        user_attrs={PARAMS_ATTR: params.as_dict(), **attrs},
+    )
+
+
+def add(trials: list[FrozenTrial], trial: FrozenTrial) -> None:
+    """Append ``trial`` numbered as a study numbers it: in order."""
+    trial.number = len(trials)
+    trials.append(trial)
+
+
+def searched(readings: dict[LoaderParams, float]) -> list[FrozenTrial]:
+    """A finished search: the baseline first, then one reading of each other setting."""
+    trials: list[FrozenTrial] = []
+    add(trials, _trial(BASE, readings[BASE], **{BASELINE_ATTR: True}))
+    for params, value in readings.items():
+        if params != BASE:
+            add(trials, _trial(params, value))
+    return trials
+
+
+def confirm(
+    trials: list[FrozenTrial],
+    reading: Callable[[LoaderParams, int], float | None],
+    settings: ConfirmSettings = SETTINGS,
+) -> list[Remeasure]:
+    """Run the rounds as a worker does: ask for the next trial, measure it (``reading`` of the
+    settings and round; None fails it), until there is none. Returns what was asked."""
+    asked = []
+    while (step := next_remeasure(trials, settings)) is not None:
+        asked.append(step)
+        assert len(asked) < 200, "the rounds never end"
+        attrs = {CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: step.round}
+        add(trials, _trial(step.params, reading(step.params, step.round), **attrs))
+    return asked
+
+
+# --- the interval ------------------------------------------------------------------------
+
+
+def test_t_quantiles_match_scipy() -> None:
+    for degrees in (1, 2, 5, 9, 19, 20, 30, 60, 120):
+        assert t_975(degrees) == pytest.approx(stats.t.ppf(0.975, degrees), abs=5e-4)
+    # Between listed degrees the next smaller one's value: never narrower than the truth.
+    for degrees in (21, 33, 75, 500):
+        assert stats.t.ppf(0.975, degrees) <= t_975(degrees) <= stats.t.ppf(0.975, degrees) + 0.04
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_975(0)
+
+
+def test_paired_speedup_is_the_geometric_mean_with_a_t_interval_on_log_ratios() -> None:
+    ratios = [1.02, 1.25, 1.10]
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    margin = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    found = paired_speedup(ratios)
+    assert found is not None
+    assert found.estimate == pytest.approx(math.exp(mean))
+    assert found.low == pytest.approx(math.exp(mean - margin), rel=1e-4)
+    assert found.high == pytest.approx(math.exp(mean + margin), rel=1e-4)
+    assert found.rounds == 3
+    assert found.verdict == NO_RELIABLE_GAIN  # 3 noisy rounds: the interval reaches below 1
+    steady = paired_speedup([1.2, 1.21, 1.19, 1.2])
+    assert steady is not None and steady.verdict == FASTER and steady.half_width < 0.02
+    assert paired_speedup([1.3]) is None  # one round: no interval
+
+
+def test_the_interval_covers_the_true_speedup_95_percent_of_the_time() -> None:
+    # Log-normal noise, drift shared by the pair of a round: the paired interval should
+    # cover the true ratio in about 95% of studies (binomial sd over 2,000: 0.5%).
+    rng = random.Random(0)
+    true_speedup, covered, studies = 1.15, 0, 2000
+    for _ in range(studies):
+        ratios = []
+        for _ in range(5):
+            drift = rng.gauss(0, 0.2)  # the machine's state this round: cancels in the ratio
+            base = math.exp(drift + rng.gauss(0, 0.06))
+            candidate = true_speedup * math.exp(drift + rng.gauss(0, 0.06))
+            ratios.append(candidate / base)
+        found = paired_speedup(ratios)
+        assert found is not None
+        covered += found.low <= true_speedup <= found.high
+    assert 0.93 <= covered / studies <= 0.97
+
+
+# --- the rounds --------------------------------------------------------------------------
+
+
+def test_rounds_rotate_their_order_and_stop_once_the_leader_is_sure() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 130.0, SLOW: 120.0})
+    # Noise-free readings: every round gives the same ratios, the interval has no width, so
+    # the rounds stop at the minimum.
+    speeds = {BASE: 100.0, FAST: 140.0, MID: 125.0, SLOW: 110.0}
+    asked = confirm(trials, lambda p, r: speeds[p])
+    orders = [[s.params for s in asked if s.round == r] for r in range(3)]
+    # Fastest first after the baseline; each round rotated by one from the last.
+    assert orders[0] == [BASE, FAST, MID, SLOW]
+    assert orders[1] == [FAST, MID, SLOW, BASE]
+    assert orders[2] == [MID, SLOW, BASE, FAST]
+    assert len(asked) == 12
+    summary = summarize_trials("s", trials, SETTINGS.loss_tolerance)
+    rec = summary.recommended
+    assert rec is not None and rec.point.params == FAST
+    assert rec.speedup_vs_baseline == pytest.approx(1.4)
+    assert rec.paired is not None and rec.paired.rounds == 3 and rec.verdict == FASTER
+    document = rec.as_dict()
+    assert document["speedup_ci95"] == pytest.approx([1.4, 1.4])
+    assert document["verdict"] == "faster"
+
+
+def test_rounds_go_on_while_the_interval_is_wide_and_end_at_the_cap() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0})
+    # The ratio swings 1.0 / 1.4 from round to round: never within 5%.
+    asked = confirm(trials, lambda p, r: 100.0 if p == BASE else (100.0, 140.0)[r % 2])
+    assert max(s.round for s in asked) == SETTINGS.max_rounds - 1
+    assert len(asked) == 2 * SETTINGS.max_rounds
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.paired is not None
+    assert rec.paired.rounds == SETTINGS.max_rounds and rec.paired.half_width > 0.05
+
+
+def test_a_candidate_wholly_below_the_leader_leaves_the_rounds() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    rng = random.Random(1)
+
+    def reading(params: LoaderParams, round_: int) -> float:
+        # FAST ~1.5x and MID ~0.8x the baseline, each with 10% noise: sure apart after 3
+        # rounds, but FAST's interval stays wider than 5% for a while.
+        level = {BASE: 100.0, FAST: 150.0, MID: 80.0}[params]
+        return level * (1 + rng.uniform(-0.1, 0.1))
+
+    asked = confirm(trials, reading)
+    later = {s.params for s in asked if s.round >= SETTINGS.min_rounds}
+    assert later, "the leader's interval should still be wide after the minimum"
+    assert MID not in later and {BASE, FAST} <= later
+
+
+def test_a_setting_that_fails_twice_leaves_and_a_failing_baseline_ends_the_rounds() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    speeds = {BASE: 100.0, FAST: 140.0, MID: 120.0}
+    asked = confirm(trials, lambda p, r: None if p == MID else speeds[p])
+    assert sum(s.params == MID for s in asked) == 2  # then it left
+    assert summarize_trials("s", trials, 0.05).recommended.point.params == FAST  # type: ignore[union-attr]
+
+    trials = searched({BASE: 100.0, FAST: 150.0})
+    asked = confirm(trials, lambda p, r: None if p == BASE else 150.0)
+    assert sum(s.params == BASE for s in asked) == 2
+    assert max(s.round for s in asked) == 1  # no third round without a baseline
+
+
+def test_nothing_to_confirm_when_no_setting_beat_the_baseline_or_confirmation_is_off() -> None:
+    assert next_remeasure(searched({BASE: 100.0, MID: 90.0}), SETTINGS) is None
+    off = ConfirmSettings(0, 3, 8, 0.05, 0.05)
+    assert next_remeasure(searched({BASE: 100.0, FAST: 150.0}), off) is None
+
+
+def test_the_speedup_comes_from_the_paired_ratios_not_the_medians() -> None:
+    # One lucky search reading (FAST at 1,500) and a machine that slows down round after
+    # round: the ratio of medians says 4.5x; every round says 1.3x.
+    trials = searched({BASE: 100.0, FAST: 1500.0, MID: 140.0})
+    speed = {BASE: 1.0, FAST: 1.3, MID: 1.1}
+    confirm(trials, lambda p, r: 1000.0 * speed[p] / (1 + r) ** 2)
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.point.params == FAST and rec.paired is not None
+    assert rec.point.throughput / 180.5 == pytest.approx(4.5, rel=0.01)  # medians: 812 / 180.5
+    assert rec.speedup_vs_baseline == pytest.approx(1.3)
+    assert (rec.paired.low, rec.paired.high, rec.paired.rounds) == pytest.approx((1.3, 1.3, 3))
+
+
+def test_a_verdict_of_no_reliable_gain() -> None:
+    trials = searched({BASE: 100.0, FAST: 130.0})
+    ratios = iter([1.05, 0.95, 1.10, 0.97, 1.02, 1.08, 0.96, 1.04])
+    confirm(trials, lambda p, r: 100.0 if p == BASE else 100.0 * next(ratios))
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.verdict == NO_RELIABLE_GAIN
+    assert rec.paired is not None and rec.paired.low < 1.0 < rec.paired.high
+    assert rec.as_dict()["verdict"] == "no_reliable_gain"
+
+
+def test_a_search_continued_after_the_rounds_confirms_its_new_candidate_in_new_rounds() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0})
+    speeds = {BASE: 100.0, FAST: 140.0, MID: 160.0}
+    first = confirm(trials, lambda p, r: speeds[p])
+    assert max(s.round for s in first) == SETTINGS.min_rounds - 1  # settled at the minimum
+    # `run --n-trials` more: the search finds MID, faster than everything so far.
+    add(trials, _trial(MID, 170.0))
+    later = confirm(trials, lambda p, r: speeds[p])
+    # New rounds after the old ones, never a late entry in an old round; MID gets its own
+    # minimum of rounds beside the baseline of its time.
+    assert min(s.round for s in later) == SETTINGS.min_rounds
+    assert sum(s.params == MID for s in later) == SETTINGS.min_rounds
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.point.params == MID
+    assert rec.speedup_vs_baseline == pytest.approx(1.6)
+    assert rec.paired is not None and rec.paired.rounds == SETTINGS.min_rounds
+
+
+def test_an_interrupted_or_orphaned_trial_is_measured_again_not_counted_as_a_failure() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0})
+    for reason in (INTERRUPTED, None):  # Ctrl-C; a dead worker (no reason: it is retried)
+        step = next_remeasure(trials, SETTINGS)
+        assert step == Remeasure(BASE, 0)
+        attrs = {CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: 0}
+        failed = _trial(BASE, None, **attrs)
+        if reason is None:
+            del failed.user_attrs[FAILURE_REASON]
+        else:
+            failed.user_attrs[FAILURE_REASON] = reason
+        add(trials, failed)
+    # Twice stopped, never failed: the baseline is still in the rounds, and they finish.
+    asked = confirm(trials, lambda p, r: {BASE: 100.0, FAST: 140.0}[p])
+    assert asked[0] == Remeasure(BASE, 0)
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.paired is not None and rec.verdict == FASTER
+
+
+def test_a_reading_of_zero_counts_as_a_failure_so_the_rounds_end() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    asked = confirm(trials, lambda p, r: 0.0 if p == MID else {BASE: 100.0, FAST: 140.0}[p])
+    assert sum(s.params == MID for s in asked) == 2
+
+
+def test_the_candidate_surely_faster_wins_over_a_higher_but_unsure_estimate() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    swings = iter([1.0, 1.6, 1.0, 1.6, 1.0, 1.6, 1.0, 1.6])  # FAST: 1.26x, unsure
+
+    def reading(params: LoaderParams, round_: int) -> float:
+        if params == FAST:
+            return 100.0 * next(swings)
+        return {BASE: 100.0, MID: 120.0}[params]  # MID: 1.2x every round
+
+    confirm(trials, reading)
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.point.params == MID and rec.verdict == FASTER
+    assert "a surely faster candidate first" in rec.rule
+
+
+def test_settings_stored_by_older_versions_get_at_least_two_rounds() -> None:
+    older = {CONFIRM_ATTR: {"top": 3, "repeats": 1}}
+    settings = confirm_settings(older, StudyConfig())
+    assert settings.min_rounds == 2 and settings.max_rounds >= 2
+    trials = searched({BASE: 100.0, FAST: 150.0})
+    asked = confirm(trials, lambda p, r: {BASE: 100.0, FAST: 140.0}[p], settings)
+    assert max(s.round for s in asked) == 1
+
+
+def test_a_candidate_that_left_never_comes_back_and_the_cap_counts_the_leader() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    later = iter([1.0, 2.2, 0.9, 2.4, 1.0, 2.0, 0.8, 2.5])  # FAST after round 3: wide swings
+
+    def reading(params: LoaderParams, round_: int) -> float:
+        if params == MID:
+            return 80.0  # 0.8x: wholly below FAST's 1.5x after the minimum of rounds
+        if params == FAST:
+            if round_ < SETTINGS.min_rounds:
+                return (140.0, 160.0, 150.0)[round_]  # ~1.5x, not yet within 5%
+            return 100.0 * next(later)
+        return 100.0
+
+    asked = confirm(trials, reading)
+    # Out after round 2 for good, although FAST's interval later widens past MID's.
+    assert {s.round for s in asked if s.params == MID} == {0, 1, 2}
+    # The leader's interval never narrows: the rounds stop when it has max_rounds ratios.
+    rounds = max(s.round for s in asked) + 1
+    assert rounds == SETTINGS.max_rounds
