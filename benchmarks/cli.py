@@ -1,4 +1,4 @@
-"""``python -m benchmarks {ground-truth,replay,speedup,all} [--quick]``.
+"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,all} [--quick]``.
 
 See benchmarks/README.md.
 """
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import ground_truth, model, replay, speedup
+from benchmarks import claims, ground_truth, model, replay, resolve, speedup
 from loader_search.study._config import load_config
-from loader_search.study._recommend import TrialPoint, pareto_front
+from loader_search.study._points import TrialPoint, pareto_front
 from loader_search.trial._system import cpu_model, usable_cpus
 
 HERE = Path(__file__).resolve().parent
@@ -223,6 +223,44 @@ def model_section(errors: dict[str, Any], cost_s: float, seeds: int) -> str:
     )
 
 
+def _pm(half_width: float | None) -> str:
+    return "unbounded (fewer than 6 repeats)" if half_width is None else f"+-{half_width:.1%}"
+
+
+def resolve_section(stats: dict[str, Any]) -> str:
+    rows = [{"batch": batch, **row} for batch, row in stats["per_batch"].items()]
+    columns = [
+        ("batch", "batch", ""),
+        ("best_before", "best in the table", ""),
+        ("best_before_samples_per_s", "samples/s (table)", ",.0f"),
+        ("best_after", "best, resolved", ""),
+        ("best_after_samples_per_s", "samples/s (resolved)", ",.0f"),
+        ("within_3pct", "within 3%", ""),
+        ("within_5pct", "within 5%", ""),
+        ("resolved", "re-measured", ""),
+    ]
+    return "\n".join(
+        [
+            f"{stats['settings']} contenders (within {1 - resolve.CONTENDER_SHARE:.0%} of their"
+            " batch size's best, the model's proposals, the baseline) re-measured in"
+            f" interleaved rounds: {stats['trials']} trials, {stats['repeats_median']:.0f}"
+            f" repeats per setting (median; at most {stats['repeats_max']}). The 95% interval"
+            f" of a median is within {_pm(stats['half_width_median'])} of it (median; worst"
+            f" {_pm(stats['half_width_max'])}; {stats['settled']} of {stats['settings']}"
+            f" within +-{resolve.TARGET_HALF_WIDTH:.0%}; among the settings within"
+            f" {1 - resolve.OUT_OF_RACE:.0%} of their batch size's best, the worst is"
+            f" {_pm(stats['top_half_width_max'])}). A setting left the rounds once its interval"
+            f" was within +-{resolve.TARGET_HALF_WIDTH:.0%}, or lay wholly below"
+            f" {resolve.OUT_OF_RACE:.0%} of the best lower interval end of its batch size (after"
+            f" {resolve.MIN_ROUNDS} rounds; at most {resolve.MAX_ROUNDS}). Medians moved by"
+            f" {stats['median_shift_vs_3_repeats']:+.1%} against the table's repeats (median;"
+            f" 90th percentile of the absolute move {stats['abs_shift_p90']:.1%}).",
+            "",
+            _table(rows, columns),
+        ]
+    )
+
+
 def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -> str:
     rows = [{**row, "trials_to_5pct_text": trials_to_5pct_text(row)} for row in rows]
     columns: list[tuple[str, str, str]] = [("variant", "sampler / option", "")]
@@ -262,10 +300,10 @@ def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -
         cost.append((f"cost_s@{b}", f"trial time @{b} (s)", ",.0f"))
     return "\n".join(
         [
-            f"Medians over {seeds} seeds. Budgets count the search trials; re-measurements come"
-            " on top. 'random, 2x trials' runs twice each budget. Trials to <=5%: the median"
+            f"Medians over {seeds} seeds. Budgets count the search trials; confirmation trials"
+            " come on top. 'random, 2x trials' runs twice each budget. Trials to <=5%: the median"
             " over all seeds of the trials run until the recommendation was first within 5% of"
-            " the best (re-measurements and the 2x variant's extra trials count); a seed that"
+            " the best (confirmation trials and the 2x variant's extra trials count); a seed that"
             " never got there counts as never, and '>N' means the median was not reached"
             " (N: that median with such a seed counted as the trials it ran).",
             "",
@@ -285,10 +323,72 @@ def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -
             _table(means, mean_columns),
             "",
             "Claim error: |speedup the study reported / true speedup of its recommendation - 1|;"
-            " and what each study cost (sum of its trials' measured wall time, re-measurements"
+            " and what each study cost (sum of its trials' measured wall time, confirmation trials"
             " included):",
             "",
             _table(rows, cost),
+        ]
+    )
+
+
+def claims_section(result: dict[str, Any]) -> str:
+    rows = []
+    for r in result["studies"]:
+        measured = r["side_by_side"]
+        rows.append(
+            {
+                "seed": r["seed"],
+                "recommended": r["recommended"],
+                "claim": f"{r['claim']:.3f}x",
+                "ci": "-" if not r["claim_ci95"] else "{:.3f}-{:.3f}".format(*r["claim_ci95"]),
+                "verdict": r["verdict"] or "-",
+                "rounds": r["confirmation_rounds"],
+                "truth": "-" if not measured else f"{measured['speedup']:.3f}x",
+                "truth_ci": "-" if not measured else "{:.3f}-{:.3f}".format(*measured["ci95"]),
+                "error": r["claim_error"],
+                "covered": {True: "yes", False: "no", None: "-"}[r["covered"]],
+                "study_s": r["study_s"],
+            }
+        )
+    columns = [
+        ("seed", "seed", ""),
+        ("recommended", "recommended", ""),
+        ("claim", "claimed", ""),
+        ("ci", "claimed 95% CI", ""),
+        ("verdict", "verdict", ""),
+        ("rounds", "rounds", ""),
+        ("truth", "side by side", ""),
+        ("truth_ci", "its 95% CI", ""),
+        ("error", "claim error", "+.1%"),
+        ("covered", "CI covers it", ""),
+        ("study_s", "study s", ".0f"),
+    ]
+    summary = "No study recommended anything but its baseline."
+    if result["checked"]:
+        summary = (
+            f"Claim error |claimed / side by side - 1|: median"
+            f" {result['median_abs_claim_error']:.1%}, worst {result['max_abs_claim_error']:.1%}"
+            f" over {result['checked']} studies; the claimed 95% interval covers the side-by-side"
+            f" speedup in {result['covered']} of {result['with_interval']} (the side-by-side"
+            " estimate has noise of its own, so even an exact 95% interval covers it less"
+            " often than 95%)."
+        )
+    firsts = [f for f in result["baseline_first_vs_later"] if f is not None]
+    if firsts:
+        summary += (
+            " The baseline's first reading (the study's first trial) against the median of its"
+            " later readings: " + ", ".join(f"{f:.2f}" for f in firsts) + "."
+        )
+    return "\n".join(
+        [
+            f"{len(result['studies'])} independent studies (seeds 0-{len(result['studies']) - 1})"
+            " with the service's defaults; each one's claim against the baseline and its"
+            f" recommendation measured afterwards side by side ({result['rounds']} paired"
+            " rounds, alternating order).",
+            "",
+            _table(rows, columns),
+            "",
+            summary,
         ]
     )
 
@@ -343,7 +443,8 @@ def speedup_section(result: dict[str, Any]) -> str:
             f" {result['study_recommended_speedup']:.2f}x).",
             "",
             f"The study: {wall:.0f} s wall for {cost['trials']} trials"
-            f" ({cost['stopped_early']} stopped early, {cost['confirmations']} re-measurements):",
+            f" ({cost['stopped_early']} stopped early,"
+            f" {cost['confirmations']} confirmation trials):",
             "",
             _table(
                 shares,
@@ -359,12 +460,18 @@ def speedup_section(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("command", choices=["ground-truth", "replay", "speedup", "all"])
+    parser.add_argument(
+        "command", choices=["ground-truth", "resolve", "replay", "speedup", "claims", "all"]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it works")
     parser.add_argument("--repeats", type=int, default=3, help="ground truth: trials per config")
     parser.add_argument("--seeds", type=int, default=30, help="replay: seeds per variant")
     parser.add_argument("--budgets", default="10,20,40", help="replay: trial budgets")
     parser.add_argument("--rounds", type=int, default=5, help="speedup: side-by-side rounds")
+    parser.add_argument("--studies", type=int, default=5, help="claims: independent studies")
+    parser.add_argument(
+        "--claim-rounds", type=int, default=12, help="claims: side-by-side paired rounds"
+    )
     parser.add_argument(
         "--variants",
         default=None,
@@ -395,20 +502,39 @@ def main(argv: list[str] | None = None) -> None:
     ]
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     data = out / ("ground_truth_quick.jsonl" if args.quick else "ground_truth.jsonl")
-    if args.command in ("ground-truth", "replay", "all"):
-        if args.command != "replay" or not data.exists():
+    resolved_data = out / ("resolve_quick.jsonl" if args.quick else "resolve.jsonl")
+    if args.command in ("ground-truth", "resolve", "replay", "all"):
+        if args.command not in ("replay", "resolve") or not data.exists():
             ground_truth.run(data, repeats=repeats, quick=args.quick)
         entries = ground_truth.aggregate(ground_truth.read_rows(data))
         text, stats = ground_truth_section(entries)
         ground_truth.save_table(entries, out / "ground_truth_table.json", {"machine": machine()})
         results["ground_truth"] = stats
         sections += ["## Ground truth", text, "## Noise", noise_section(stats)]
-        if args.command in ("replay", "all"):
-            config = load_config(ground_truth.QUICKSTART)
-            training = (
-                ground_truth.quick_config(config).training if args.quick else config.training
+        config = load_config(ground_truth.QUICKSTART)
+        training = ground_truth.quick_config(config).training if args.quick else config.training
+        table = ground_truth.QUICK_SPACE if args.quick else ground_truth.FULL_SPACE
+        if args.command in ("resolve", "all"):
+            proposed = replay.measured_by_default(
+                entries, table, training, seeds=seeds, budget=max(budgets)
             )
-            table = ground_truth.QUICK_SPACE if args.quick else ground_truth.FULL_SPACE
+            min_rounds, max_rounds = (
+                (3, 4) if args.quick else (resolve.MIN_ROUNDS, resolve.MAX_ROUNDS)
+            )
+            resolve.run(
+                resolved_data,
+                resolve.contenders(entries, proposed),
+                quick=args.quick,
+                min_rounds=min_rounds,
+                max_rounds=max_rounds,
+            )
+        if resolved_data.exists():  # judge against the re-measured contenders
+            resolved_rows = ground_truth.read_rows(resolved_data)
+            stats = resolve.summary(entries, resolved_rows)
+            results["resolve"] = stats
+            sections += ["## A truth that resolves 3%", resolve_section(stats)]
+            entries = resolve.merged(entries, resolved_rows)
+        if args.command in ("replay", "all"):
             chosen = args.variants.split(";") if args.variants else None
             runs = replay.replay_all(
                 entries, table, training, seeds=seeds, budgets=budgets, chosen=chosen
@@ -426,6 +552,16 @@ def main(argv: list[str] | None = None) -> None:
         result = speedup.run(config_path=args.config, quick=args.quick, rounds=rounds, workdir=out)
         results["speedup"] = result
         sections += ["## Speedup and cost", speedup_section(result)]
+    if args.command in ("claims", "all"):
+        result = claims.run(
+            config_path=args.config,
+            quick=args.quick,
+            studies=args.studies,
+            rounds=args.claim_rounds,
+            workdir=out,
+        )
+        results["claims"] = result
+        sections += ["## Claimed speedup against side by side", claims_section(result)]
     results["elapsed_s"] = time.perf_counter() - started
     (out / f"{args.command}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     report = "\n\n".join(sections) + "\n"

@@ -80,12 +80,20 @@ def quick_config(config: StudyConfig) -> StudyConfig:
 
 
 def measure(
-    workload: Workload, config: StudyConfig, params: LoaderParams, *, ceiling: bool
+    workload: Workload,
+    config: StudyConfig,
+    params: LoaderParams,
+    *,
+    ceiling: bool,
+    stop_early: bool = False,
 ) -> dict[str, Any]:
-    """One real trial with the study's own code path; its numbers as a flat dict."""
+    """One real trial with the study's own code path; its numbers as a flat dict. With
+    ``stop_early`` it stops at the early-stop mark, as a study's shortened trial does: the
+    throughput is the same window's, and there is no validation loss."""
     train_size = len(workload.train_dataset)  # type: ignore[arg-type]
     plan = RunPlan(
         short_samples=short_run_samples(params, config.training, train_size),
+        stop_early=stop_early,
         measure_ceiling=ceiling,
     )
     with host_lock():

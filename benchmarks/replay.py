@@ -11,10 +11,9 @@ throughput over the study's window (warm-up to the early-stop mark, as every tri
 and its validation loss. A trial that stops early reports the study's known validation loss of
 its batch size and costs what the shortened run cost. The first trial of each batch size and
 thread count also measures the ceiling, as in the service, and pays what a ceiling reading
-costs; later trials of that pair reuse it. Once the budget is used, the candidates are re-
-measured as the worker decides (`decide`, which queues what `confirmation_queue` finds missing:
-round-robin, at most ``2 * CONFIRM_REPEATS`` re-measurements per setting, until nothing is
-missing). The study itself is a real Optuna study in memory.
+costs; later trials of that pair reuse it. Once the budget is used, the candidates are
+confirmed against the baseline in paired rounds as the worker decides (`decide`, one trial at a
+time: `loader_search.study._confirm`). The study itself is a real Optuna study in memory.
 
 Quality is judged against the table's medians (the truth):
 
@@ -47,20 +46,20 @@ from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._budget import (
     FINISHED_STATES,
     Confirm,
-    ConfirmSettings,
     Done,
     Take,
     Wait,
-    confirmations,
     count_used,
     decide,
 )
 from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._confirm import ConfirmSettings
 from loader_search.study._guide import Guide, Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
     COLLATE_COST,
+    CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     DIRECTIONS,
     MAIN_COST,
@@ -80,9 +79,9 @@ from loader_search.study._space import IntRange, ResolvedSpace
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
 HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)
 LOSS_TOLERANCE = 0.05
-# The service's defaults: re-measure the 3 fastest candidates and the baseline, 3 times in all.
-CONFIRM_TOP: int = StudyConfig.confirm_top
-CONFIRM_REPEATS: int = StudyConfig.confirm_repeats
+# The service's defaults: the 3 fastest candidates confirmed against the baseline in paired
+# rounds (see loader_search.study._confirm).
+DEFAULTS = StudyConfig()
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 BASE_VARIANT = "random"  # what the other variants are compared with, seed by seed
@@ -198,6 +197,13 @@ def _to_table(params: LoaderParams, table: Space) -> LoaderParams:
     return replace(params, prefetch_factor=table.prefetch[params.prefetch_factor - 1])
 
 
+def _from_table(params: LoaderParams, table: Space) -> LoaderParams:
+    """`_to_table` undone: the table's prefetch value as the step the space suggests."""
+    if params.prefetch_factor is None:
+        return params
+    return replace(params, prefetch_factor=table.prefetch.index(params.prefetch_factor) + 1)
+
+
 def _gp(seed: int) -> optuna.samplers.BaseSampler:
     return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
 
@@ -226,7 +232,11 @@ class _Replay:
         self.study = optuna.create_study(directions=list(DIRECTIONS), sampler=sampler)
         # The worker's budget decision takes these (see `run`).
         self.confirm = ConfirmSettings(
-            CONFIRM_TOP if variant.confirm else 0, CONFIRM_REPEATS, LOSS_TOLERANCE
+            top=DEFAULTS.confirm_top if variant.confirm else 0,
+            min_rounds=DEFAULTS.confirm_min_rounds,
+            max_rounds=DEFAULTS.confirm_max_rounds,
+            half_width=DEFAULTS.confirm_half_width,
+            loss_tolerance=LOSS_TOLERANCE,
         )
         grid = isinstance(variant.sampler, SamplerConfig) and variant.sampler.name == "grid"
         self.grid_size = self.space.size() if grid else None
@@ -257,6 +267,9 @@ class _Replay:
             reuse_val_loss=self.training.reuse_val_loss,
         )
         repeat = self.rng.randrange(len(entry.throughputs))
+        # A re-measured setting (`benchmarks.resolve`) has more throughput repeats than
+        # validation losses: the loss is drawn on its own.
+        loss_repeat = self.rng.randrange(len(entry.val_losses))
         if entry.costs:  # what this repeat measured of its stages, as a trial stores it
             producer, collate, main = entry.costs[repeat]
             trial.set_user_attr(PRODUCER_COST, producer)
@@ -268,7 +281,7 @@ class _Replay:
             self.cost += entry.short_wall_s
             trial.set_user_attr(VAL_LOSS_FROM, list(reuse.val_loss_from))
         else:
-            throughput, val_loss = entry.throughputs[repeat], entry.val_losses[repeat]
+            throughput, val_loss = entry.throughputs[repeat], entry.val_losses[loss_repeat]
             self.cost += entry.wall_s
             trial.set_user_attr(VAL_LOSS_ATTR, val_loss)
         if reuse.plan.measure_ceiling:
@@ -296,7 +309,14 @@ class _Replay:
             if isinstance(decision, Wait):
                 raise AssertionError(f"{decision.running} replayed trial(s) left running")
             if isinstance(decision, Confirm):
-                self._enqueue_confirmations(decision.queue)
+                self.study.enqueue_trial(
+                    self.space.trial_params(_from_table(decision.remeasure.params, self.table)),
+                    user_attrs={
+                        CONFIRMATION_ATTR: True,
+                        CONFIRM_ROUND_ATTR: decision.remeasure.round,
+                    },
+                    skip_if_exists=False,
+                )
             elif decision.baseline:
                 self.study.enqueue_trial(
                     self.space.baseline(self.training.batch_size), user_attrs={BASELINE_ATTR: True}
@@ -308,19 +328,6 @@ class _Replay:
                     skip_if_exists=False,
                 )
             self.trial(baseline=isinstance(decision, Take) and decision.baseline)
-
-    def queue_confirmations(self) -> int:
-        """Queue the re-measurements the worker would queue now
-        (`loader_search.study._budget.confirmations`). Returns how many were queued."""
-        queue = confirmations(self._trials(), self.confirm)
-        self._enqueue_confirmations(queue)
-        return len(queue)
-
-    def _enqueue_confirmations(self, queue: Sequence[dict[str, Any]]) -> None:
-        for params in queue:
-            self.study.enqueue_trial(
-                params, user_attrs={CONFIRMATION_ATTR: True}, skip_if_exists=False
-            )
 
     def _trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)
@@ -363,6 +370,29 @@ def replay_one(
     )
 
 
+def measured_by_default(
+    entries: Sequence[Entry],
+    table: Space,
+    training: TrainingSettings,
+    *,
+    seeds: int,
+    budget: int,
+) -> list[LoaderParams]:
+    """The settings the default (model-guided) study measures before its sampler takes over,
+    over ``seeds`` replays: the baseline and every model proposal, most frequent first."""
+    truth = Truth.of(entries)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    counts: dict[LoaderParams, int] = {}
+    for seed in range(seeds):
+        replay = _Replay(truth, table, variants()[0], seed, training)
+        for trial in replay.run(budget):
+            attrs = trial.user_attrs
+            params = stored_params(trial)
+            if params is not None and (BASELINE_ATTR in attrs or MODEL_ROUND_ATTR in attrs):
+                counts[params] = counts.get(params, 0) + 1
+    return sorted(counts, key=lambda p: -counts[p])
+
+
 def variants() -> list[Variant]:
     """What the replay compares (see benchmarks/README.md)."""
     return [
@@ -378,7 +408,7 @@ def variants() -> list[Variant]:
         Variant("random", SamplerConfig(name="random", model=False)),
         Variant("random, 2x trials", SamplerConfig(name="random", model=False), trials_factor=2),
         Variant("tpe, no early stop", SamplerConfig(model=False), reuse_val_loss=False),
-        Variant("tpe, no re-measure", SamplerConfig(model=False), confirm=False),
+        Variant("tpe, no confirmation", SamplerConfig(model=False), confirm=False),
         Variant("tpe, threads searched", SamplerConfig(model=False), threads_searched=True),
     ]
 

@@ -1,0 +1,146 @@
+"""Can a user bet on the speedup a study prints? Its claim against a side-by-side measurement
+taken afterwards, over several independent studies.
+
+For each seed: a real study with the service's defaults (the quickstart config, a fresh SQLite
+file, that seed), which ends with its paired confirmation rounds and states the recommendation's
+speedup over the baseline with a 95% interval (`loader_search.study._confirm`). Then, once the
+study is done, the baseline and the recommendation side by side: ``rounds`` paired rounds of
+real trials through the service's trial code, each round both settings in alternating order,
+stopped at the early-stop mark as the confirmation trials are (the same throughput window as
+every trial). The side-by-side speedup is the geometric mean of the per-round ratios, with
+its own 95% interval.
+
+Figures: per study, the claim, its interval, the side-by-side speedup, the claim error
+(claim / side-by-side - 1) and whether the claimed interval covers the side-by-side estimate;
+over the studies, the median absolute claim error and the coverage.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ground_truth import QUICKSTART, measure, quick_config
+from loader_search.params import LoaderParams
+from loader_search.study._config import StudyConfig, load_config
+from loader_search.study._confirm import paired_speedup
+from loader_search.study._session import run_study
+from loader_search.workloads import load_workload
+
+
+def side_by_side(
+    config: StudyConfig, baseline: LoaderParams, candidate: LoaderParams, rounds: int
+) -> dict[str, Any]:
+    """``rounds`` paired rounds of the two settings (alternating which goes first)."""
+    workload = load_workload(config.workload, config.workload_options)
+    ratios = []
+    readings: dict[str, list[float]] = {"baseline": [], "recommended": []}
+    for round_ in range(rounds):
+        order = [("baseline", baseline), ("recommended", candidate)]
+        if round_ % 2:
+            order.reverse()
+        measured = {}
+        for name, params in order:
+            row = measure(workload, config, params, ceiling=False, stop_early=True)
+            if "throughput" not in row:
+                raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
+            measured[name] = row["throughput"]
+            readings[name].append(row["throughput"])
+        ratios.append(measured["recommended"] / measured["baseline"])
+    speedup = paired_speedup(ratios)
+    assert speedup is not None, "at least 2 rounds"
+    return {
+        "speedup": speedup.estimate,
+        "ci95": [speedup.low, speedup.high],
+        "ratios": ratios,
+        "readings": readings,
+    }
+
+
+def one_study(config: StudyConfig, seed: int, rounds: int, folder: Path) -> dict[str, Any]:
+    config = replace(config, seed=seed, name=f"claims-{seed}")
+    db = folder / f"claims-{seed}.db"
+    db.unlink(missing_ok=True)
+    started = time.perf_counter()
+    summary = run_study(config, storage=f"sqlite:///{db}")
+    study_s = time.perf_counter() - started
+    rec, base = summary.recommended, summary.baseline
+    if rec is None or base is None:
+        raise RuntimeError(f"study {config.name} has no baseline or no recommendation")
+    result: dict[str, Any] = {
+        "seed": seed,
+        "study_s": study_s,
+        "recommended": rec.point.params.describe(),
+        "claim": rec.speedup_vs_baseline,
+        "claim_ci95": [rec.paired.low, rec.paired.high] if rec.paired else None,
+        "verdict": rec.verdict,
+        "confirmation_rounds": rec.paired.rounds if rec.paired else 0,
+        "trials": summary.n_complete,
+        # The baseline's first reading (the study's first trial, in a fresh worker) against
+        # the median of its later readings: how far off a first reading is.
+        "baseline_first_vs_later": _first_vs_later(base.measurements),
+    }
+    if rec.point.params == base.params:  # nothing beat the baseline: no speedup to check
+        return {**result, "side_by_side": None, "claim_error": None, "covered": None}
+    started = time.perf_counter()
+    measured = side_by_side(config, base.params, rec.point.params, rounds)
+    truth = measured["speedup"]
+    low, high = result["claim_ci95"] or (None, None)
+    return {
+        **result,
+        "side_by_side": measured,
+        "side_by_side_s": time.perf_counter() - started,
+        "claim_error": rec.speedup_vs_baseline / truth - 1,  # type: ignore[operator]
+        "covered": low <= truth <= high if low is not None else None,
+    }
+
+
+def _first_vs_later(measurements: Sequence[float]) -> float | None:
+    if len(measurements) < 2:
+        return None
+    return measurements[0] / statistics.median(measurements[1:])
+
+
+def run(
+    *,
+    config_path: Path = QUICKSTART,
+    quick: bool = False,
+    studies: int = 5,
+    rounds: int = 12,
+    workdir: Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    config = load_config(config_path)
+    if quick:
+        config = replace(quick_config(config), trials=6, confirm_max_rounds=3)
+        studies, rounds = 2, 2
+    folder = Path(workdir or tempfile.mkdtemp(prefix="loader-search-claims-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in range(studies):
+        results.append(one_study(config, seed, rounds, folder))
+        r = results[-1]
+        truth = r["side_by_side"]["speedup"] if r["side_by_side"] else None
+        log(
+            f"study {seed}: claimed {r['claim']:.3f}x {r['claim_ci95']} ({r['verdict']}),"
+            f" side by side {truth if truth is None else f'{truth:.3f}x'}"
+        )
+    checked = [r for r in results if r["claim_error"] is not None]
+    with_interval = [r for r in checked if r["covered"] is not None]
+    return {
+        "studies": results,
+        "rounds": rounds,
+        "checked": len(checked),
+        "median_abs_claim_error": statistics.median(abs(r["claim_error"]) for r in checked)
+        if checked
+        else None,
+        "max_abs_claim_error": max((abs(r["claim_error"]) for r in checked), default=None),
+        "covered": sum(bool(r["covered"]) for r in with_interval),
+        "with_interval": len(with_interval),
+        "baseline_first_vs_later": [r["baseline_first_vs_later"] for r in results],
+    }
