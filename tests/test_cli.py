@@ -193,7 +193,7 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
     done = CliRunner().invoke(
         app, ["report", "confirmed", "--storage", url, "--format", "json", "--output", str(out)]
     )
-    assert done.exit_code == 0, done.stdout
+    assert done.exit_code == 0, done.output
     report = json.loads(out.read_text())
     assert report["summary"]["pareto"] == best["pareto"]
     assert report["summary"]["recommended"] == rec
@@ -201,7 +201,7 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
     row = next(
         line
         for line in CliRunner().invoke(app, ["studies", "--storage", url]).stdout.splitlines()
-        if "confirmed" in line
+        if line.startswith("│ confirmed ")
     )
     cells = [cell.strip() for cell in row.strip("│ ").split("│")]
     assert cells[5] == f"{rec['throughput']:,.0f}"
@@ -210,8 +210,9 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
     # front over raw trials, and the note says so).
     from optuna_dashboard._note import get_note_from_system_attrs
 
-    study = optuna.load_study(study_name="confirmed", storage=url)
-    note = get_note_from_system_attrs(study.system_attrs, None)["body"]
+    storage = optuna.storages.RDBStorage(url)
+    attrs = storage.get_study_system_attrs(storage.get_study_id_from_name("confirmed"))
+    note = get_note_from_system_attrs(attrs, None)["body"]
     assert "Optuna's front over raw trials" in note
     assert f"95% CI {low:.2f}-{high:.2f}" in note
     for point in best["pareto"]:

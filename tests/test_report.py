@@ -242,8 +242,10 @@ def test_importances_for_each_objective(data: ReportData) -> None:
 
 def test_importances_degrade_without_enough_trials(real_study: tuple[str, optuna.Study]) -> None:
     one = [real_study[1].trials[0]]
-    for item in importances(one, real_study[1].directions):
-        assert item.values == () and item.note.startswith("not computable")
+    speed, loss = importances(one, real_study[1].directions)
+    assert speed.values == () and speed.note.startswith("not computable")
+    # One batch size: nothing to attribute val_loss to, and the note still says why.
+    assert loss.values == () and loss.note.startswith("only batch_size can change it")
 
 
 def test_report_json_embeds_best_json(

@@ -24,6 +24,7 @@ from loader_search.study._keys import (
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
+from loader_search.study._plan import trusted_ceiling
 from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
 from loader_search.study._session import run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
@@ -83,15 +84,25 @@ def test_later_trials_of_a_batch_size_stop_early_with_its_known_val_loss(
             assert VAL_LOSS_ATTR not in trial.user_attrs
             early += 1
     assert early >= 1
-    # Every trial reports its loader efficiency; the ceiling is measured once per batch
-    # size and thread count (threads are fixed here), then reused.
+    # Every trial reports its loader efficiency; the ceiling is measured by the first trial
+    # of each batch size and thread count (threads are fixed here), then reused while a
+    # reading can be trusted (see loader_search.study._plan); a trial reads it again only
+    # when no earlier reading of its pair could be.
     assert all(t.user_attrs[LOADER_EFFICIENCY_ATTR] > 0 for t in trials)
-    measured = [t for t in trials if CEILING_ATTR in t.user_attrs]
-    assert sorted(_params(t).batch_size for t in measured) == sorted(by_batch)
-    for trial in trials:
-        if CEILING_ATTR not in trial.user_attrs:
-            (source,) = trial.user_attrs[CEILING_FROM]
-            assert _params(study.trials[source]).batch_size == _params(trial).batch_size
+    for group in by_batch.values():
+        assert CEILING_ATTR in group[0].user_attrs
+        for n, trial in enumerate(group[1:], start=1):
+            before = group[:n]
+            fastest = max(t.values[0] for t in before)
+            trusted = [t for t in before if trusted_ceiling(t, fastest)]
+            if CEILING_ATTR in trial.user_attrs:
+                assert not trusted, "a trusted reading was read again"
+            else:
+                assert trial.user_attrs[CEILING_FROM]
+                assert all(
+                    _params(study.trials[n]).batch_size == _params(trial).batch_size
+                    for n in trial.user_attrs[CEILING_FROM]
+                )
 
 
 def test_without_reuse_every_trial_is_evaluated(tiny_workload: Workload, sqlite_url: str) -> None:

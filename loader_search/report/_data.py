@@ -398,7 +398,15 @@ def importances(
         # A throw-away in-memory study: the importance API reads whole studies, and
         # infeasible trials' placeholder values must not count.
         scratch = optuna.create_study(directions=list(directions))
-        scratch.add_trials(feasible)
+        used = 0
+        for trial in feasible:
+            try:
+                scratch.add_trial(trial)
+                used += 1
+            except ValueError:
+                # A setting outside its searched range: the baseline's num_workers=0 when
+                # the range starts higher. It was measured, but Optuna cannot weigh it.
+                continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -408,7 +416,7 @@ def importances(
             results.append(Importances(objective, name, (), note))
             continue
         pairs = tuple((k, float(v)) for k, v in values.items() if math.isfinite(v))
-        note = f"{name} (Optuna's default) over {len(feasible)} feasible trials; {how}"
+        note = f"{name} (Optuna's default) over {used} feasible trials; {how}"
         results.append(Importances(objective, name, pairs, note))
     return tuple(results)
 

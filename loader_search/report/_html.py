@@ -162,7 +162,9 @@ def _recommendation(data: ReportData) -> str:
         )
     rows.append(f"<tr><th>Recommended</th><td>{verdict}</td></tr>")
     speedup = rec.speedup_text()
-    if speedup is not None and not p.is_baseline:
+    if p.is_baseline:
+        rows.append("<tr><th>Speedup</th><td>none: the baseline is the recommendation</td></tr>")
+    elif speedup is not None:
         rows.append(f"<tr><th>Speedup</th><td><b>{html.escape(speedup)}</b></td></tr>")
     if rec.val_loss_change_vs_baseline is not None:
         rows.append(
