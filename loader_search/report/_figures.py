@@ -153,32 +153,34 @@ def _point_label(point: TrialPoint) -> str:
 def _points(
     fig: go.Figure, points: Sequence[TrialPoint], name: str, marker: dict[str, Any]
 ) -> None:
-    fig.add_trace(
-        go.Scatter(
-            x=[p.throughput for p in points],
-            y=[p.val_loss for p in points],
-            mode="markers",
-            marker=marker,
-            name=name,
-            text=[_point_label(p) for p in points],
-            hoverinfo="text",
-        ),
-        row=1,
-        col=1,
-    )
+    """Settings at their medians, on the front's axes."""
+    labels = [_point_label(p) for p in points]
+    _markers(fig, [(p.throughput, p.val_loss) for p in points], labels, name, marker)
 
 
 def _scatter(
     fig: go.Figure, rows: Sequence[ReportTrial], name: str, marker: dict[str, Any]
 ) -> None:
+    """Single trials at their own readings, on the front's axes."""
+    xy = [(t.throughput, t.val_loss) for t in rows]
+    _markers(fig, xy, [_label(t) for t in rows], name, marker)
+
+
+def _markers(
+    fig: go.Figure,
+    xy: Sequence[tuple[float | None, float | None]],
+    labels: Sequence[str],
+    name: str,
+    marker: dict[str, Any],
+) -> None:
     fig.add_trace(
         go.Scatter(
-            x=[t.throughput for t in rows],
-            y=[t.val_loss for t in rows],
+            x=[x for x, _ in xy],
+            y=[y for _, y in xy],
             mode="markers",
             marker=marker,
             name=name,
-            text=[_label(t) for t in rows],
+            text=list(labels),
             hoverinfo="text",
         ),
         row=1,
