@@ -197,13 +197,6 @@ def _to_table(params: LoaderParams, table: Space) -> LoaderParams:
     return replace(params, prefetch_factor=table.prefetch[params.prefetch_factor - 1])
 
 
-def _from_table(params: LoaderParams, table: Space) -> LoaderParams:
-    """`_to_table` undone: the table's prefetch value as the step the space suggests."""
-    if params.prefetch_factor is None:
-        return params
-    return replace(params, prefetch_factor=table.prefetch.index(params.prefetch_factor) + 1)
-
-
 def _gp(seed: int) -> optuna.samplers.BaseSampler:
     return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
 
@@ -243,13 +236,18 @@ class _Replay:
         self.cost = 0.0
         self.train_size: int | None = None
         # As the worker does (`loader_search.study._worker._guide`), on the table's machine.
-        self.guide = Guide(self.space, "cpu", self.space.usable_cpus) if variant.model else None
+        self.guide = (
+            Guide(self.space, "cpu", self.space.usable_cpus, loss_tolerance=LOSS_TOLERANCE)
+            if variant.model
+            else None
+        )
 
     def trial(self, *, baseline: bool = False) -> None:
         trial = self.study.ask()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
-            params = _to_table(self.space.suggest(trial), self.table)
+            params = self.space.suggest(trial)
+        # Stored as the service stores it, in the space's terms; the table's is looked up.
         trial.set_user_attr(PARAMS_ATTR, params.as_dict())
         if baseline:
             trial.set_user_attr(BASELINE_ATTR, True)
@@ -257,7 +255,7 @@ class _Replay:
             prediction = self.guide.predict(self.study.get_trials(deepcopy=False), params)
             if prediction is not None:
                 trial.set_user_attr(PREDICTED_ATTR, prediction.throughput)
-        entry = self.truth.entries[params]
+        entry = self.truth.entries[_to_table(params, self.table)]
         reuse = plan_trial(
             self.study.get_trials(deepcopy=False),
             params,
@@ -287,7 +285,7 @@ class _Replay:
         if reuse.plan.measure_ceiling:
             # The first trial of its batch size and thread count: it reads the ceiling (its
             # value is not judged here) and pays for it; later trials of the pair reuse it.
-            self.cost += self.truth.ceiling_wall_s.get(_pair(params), 0.0)
+            self.cost += self.truth.ceiling_wall_s.get(_pair(entry.params), 0.0)
             trial.set_user_attr(CEILING_ATTR, entry.ceiling or 1.0)
         self.study.tell(trial, [throughput, val_loss])
 
@@ -310,7 +308,7 @@ class _Replay:
                 raise AssertionError(f"{decision.running} replayed trial(s) left running")
             if isinstance(decision, Confirm):
                 self.study.enqueue_trial(
-                    self.space.trial_params(_from_table(decision.remeasure.params, self.table)),
+                    self.space.trial_params(decision.remeasure.params),
                     user_attrs={
                         CONFIRMATION_ATTR: True,
                         CONFIRM_ROUND_ATTR: decision.remeasure.round,
@@ -348,21 +346,23 @@ def replay_one(
     first = None
     for n in range(1, len(trials) + 1):
         prefix = summarize_trials("replay", trials[:n], LOSS_TOLERANCE).recommended
-        if prefix is not None and truth.regret(prefix.point.params) <= 0.05:
+        if prefix is not None and truth.regret(_to_table(prefix.point.params, table)) <= 0.05:
             first = n
             break
     assert summary.baseline is not None and summary.recommended.speedup_vs_baseline is not None
+    recommended = _to_table(summary.recommended.point.params, table)
     true_speedup = (
-        truth.entries[summary.recommended.point.params].throughput
-        / truth.entries[summary.baseline.params].throughput
+        truth.entries[recommended].throughput
+        / truth.entries[_to_table(summary.baseline.params, table)].throughput
     )
+    measured = [_to_table(p, table) for p in map(stored_params, trials) if p is not None]
     return Run(
         claim_error=summary.recommended.speedup_vs_baseline / true_speedup - 1,
         variant=variant.name,
         seed=seed,
         budget=budget,
-        regret=truth.regret(summary.recommended.point.params),
-        hv_gap=truth.hv_gap([p for p in map(stored_params, trials) if p is not None]),
+        regret=truth.regret(recommended),
+        hv_gap=truth.hv_gap(measured),
         cost_s=replay.cost,
         trials=len(trials),
         stopped_early=sum(VAL_LOSS_FROM in t.user_attrs for t in trials),
@@ -389,6 +389,7 @@ def measured_by_default(
             attrs = trial.user_attrs
             params = stored_params(trial)
             if params is not None and (BASELINE_ATTR in attrs or MODEL_ROUND_ATTR in attrs):
+                params = _to_table(params, table)
                 counts[params] = counts.get(params, 0) + 1
     return sorted(counts, key=lambda p: -counts[p])
 
@@ -431,6 +432,8 @@ def replay_all(
         for variant in variants():
             if chosen is not None and variant.name not in chosen:
                 continue
+            if variant.threads_searched and table.rule_threads:
+                continue  # the table has only the default rule's thread counts
             for budget in budgets:
                 for seed in range(seeds):
                     runs.append(replay_one(truth, table, variant, seed, budget, training))

@@ -119,7 +119,9 @@ def test_the_model_can_be_turned_off(tiny_workload: Workload, sqlite_url: str) -
     assert PIPELINE_ATTR not in study.user_attrs
 
 
-def _trial(params: LoaderParams, throughput: float, **attrs: object) -> optuna.trial.FrozenTrial:
+def _trial(
+    params: LoaderParams, throughput: float, loss: float = 1.0, **attrs: object
+) -> optuna.trial.FrozenTrial:
     user_attrs = {
         "loader_params": params.as_dict(),
         "producer_cpu_s_per_sample": 1e-4,
@@ -130,7 +132,7 @@ def _trial(params: LoaderParams, throughput: float, **attrs: object) -> optuna.t
     return optuna.trial.create_trial(
         params={},
         distributions={},
-        values=[throughput, 1.0],
+        values=[throughput, loss],
         user_attrs=user_attrs,
     )
 
@@ -154,13 +156,14 @@ def test_proposals_wait_for_the_baseline_and_each_round_to_finish() -> None:
     # While round 1 is queued, nothing more is proposed.
     queued = optuna.trial.create_trial(state=TrialState.WAITING, user_attrs={MODEL_ROUND_ATTR: 1})
     assert _propose(guide, [baseline, queued]) == []
-    # Round 1 measured exactly as predicted: round 2 has nothing to check.
+    # Round 1 measured exactly as predicted: round 2 has nothing to check, so round 3 (the
+    # leader's prefetch neighbours) comes next.
     round_one = {MODEL_ROUND_ATTR: 1, "ceiling_samples_per_s": 8e3}
     done = [
         _trial(p.params, p.predicted, **round_one, **{PREDICTED_ATTR: p.predicted}) for p in first
     ]
     second = _propose(guide, [baseline, *done])
-    assert all(p.round == 2 for p in second)
+    assert second and all(p.round == 3 for p in second)
     # A round-1 trial far off its prediction makes its batch size worth a second look.
     missed = first[0]
     off = _trial(
@@ -169,3 +172,44 @@ def test_proposals_wait_for_the_baseline_and_each_round_to_finish() -> None:
     again = _propose(guide, [baseline, off, *done[1:]])
     assert any(p.params.batch_size == missed.params.batch_size for p in again)
     assert math.isfinite(sum(p.predicted for p in again))
+
+
+def test_later_rounds_skip_what_the_loss_rules_out_then_try_the_leaders_prefetch() -> None:
+    space = SearchSpace(
+        batch_sizes=(32, 64), num_workers=CpuRange(0, 2), persistent_workers=None
+    ).resolve(2, cuda=False)
+    guide = Guide(space, "cpu", 2, loss_tolerance=0.05)
+    baseline = _trial(
+        LoaderParams(64, torch_threads=2), 5_000.0, baseline=True, ceiling_samples_per_s=1e4
+    )
+    first = _propose(guide, [baseline])
+    # Both round-1 trials miss their predictions (so both batch sizes are unsure), and batch
+    # 32 trains to a val_loss far above the baseline's: it cannot be recommended.
+    losses = {32: 2.0, 64: 1.01}
+    done = [
+        _trial(
+            p.params,
+            p.predicted * 0.5,
+            losses[p.params.batch_size],
+            **{MODEL_ROUND_ATTR: 1, PREDICTED_ATTR: p.predicted, "ceiling_samples_per_s": 8e3},
+        )
+        for p in first
+    ]
+    second = _propose(guide, [baseline, *done])
+    assert [p.params.batch_size for p in second] == [64]
+    assert second[0].round == 2
+    # Round 2 measured the fastest setting within the tolerance: round 3 tries it with half
+    # and twice its prefetch depth, and nothing else.
+    leader = second[0].params
+    assert leader.prefetch_factor == 2
+    measured = _trial(leader, 9_000.0, 1.0, **{MODEL_ROUND_ATTR: 2})
+    slower = _trial(dataclasses.replace(leader, batch_size=32), 9_500.0, 2.0)
+    third = _propose(guide, [baseline, *done, measured, slower])
+    assert {p.params for p in third} == {
+        dataclasses.replace(leader, prefetch_factor=1),
+        dataclasses.replace(leader, prefetch_factor=4),
+    }
+    assert all(p.round == 3 for p in third)
+    # Once they ran, the model has nothing more to ask: the sampler goes on.
+    ran = [_trial(p.params, 8_000.0, **{MODEL_ROUND_ATTR: 3}) for p in third]
+    assert _propose(guide, [baseline, *done, measured, slower, *ran]) == []

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -460,3 +461,45 @@ def test_the_study_lock_excludes_and_times_out_with_a_clear_error(server_db: str
     finally:
         engine.dispose()
         other.dispose()
+
+
+_FROZEN_HOLDER = """
+import sys, time
+import sqlalchemy
+from loader_search.team._locks import study_lock
+
+engine = sqlalchemy.create_engine(sys.argv[1])
+with study_lock(engine, 7, hold_limit_s=2, on_lost=lambda why: print("lost:", why)):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))  # frozen (SIGSTOP) in here by the test
+print("released", flush=True)
+"""
+
+
+def test_a_frozen_holder_loses_the_study_lock_after_its_hold_limit(server_db: str) -> None:
+    """SIGSTOP a worker that holds the study lock: its silent session is ended by the server
+    after the hold limit (2 s here; a worker's heartbeat grace), and the team goes on."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_HOLDER, server_db, "4"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    other = sqlalchemy.create_engine(server_db)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with study_lock(other, 7, timeout_s=60):
+            waited = time.monotonic() - start
+        os.kill(holder.pid, signal.SIGCONT)
+        out, _ = holder.communicate(timeout=60)
+    finally:
+        holder.kill()
+        other.dispose()
+    # It waited for the frozen holder (the lock was held), then got the lock within the
+    # limit plus the server's slack, not after the 60 s timeout.
+    assert 1.0 <= waited <= 8.0, waited
+    assert "lost: this worker was silent for more than 2 s" in out
+    assert out.rstrip().endswith("released")

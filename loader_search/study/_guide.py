@@ -4,8 +4,13 @@ trials, the settings it asks to measure, and what it says about the answer.
 Optuna stays the engine. After the baseline, the model's predicted optimum of each batch size
 is queued as ordinary trials (``enqueue_trial``), fastest predicted first (round 1). Once they
 have run, the model is fitted again on what they measured, and each batch size whose optimum
-moved, or whose prediction missed by more than `UNSURE_ERROR`, gets that setting too (round 2).
-Then the configured sampler goes on, with every model trial in its history. The
+moved, or whose prediction missed by more than `UNSURE_ERROR`, gets that setting too (round 2),
+unless its validation loss already rules it out of the recommendation (above the loss
+tolerance). The model tells settings apart by workers and threads; the prefetch depth only
+smooths bursts in it, yet moved throughput by 5% on the measured table (benchmarks/RESULTS.md).
+So round 3 measures the prefetch neighbours (half and twice the depth) of the leader, the
+fastest setting measured within the loss tolerance. Then the configured sampler goes on, with
+every model trial in its history. The
 recommendation always rests on real measurements; the model only chooses what to measure and
 explains the result (the pipeline limit of a batch size, what bounds it, what would lift it).
 
@@ -34,10 +39,10 @@ from loader_search.study._keys import (
     trial_hardware_class,
 )
 from loader_search.study._pipeline import Observation, PipelineModel, Prediction, fit
-from loader_search.study._points import is_feasible
+from loader_search.study._points import TrialPoint, is_feasible, points_of, tolerance_limit
 from loader_search.study._space import IntRange, ResolvedSpace
 
-ROUNDS = 2
+ROUNDS = 3  # the model's optima, the unsure batch sizes again, the leader's prefetch neighbours
 UNSURE_ERROR = 0.10  # a round-1 trial this far off its prediction: its batch size is unsure
 # What-ifs the answer offers, as factors on the model's demands (see `lifts`).
 CACHED_FETCH = 0.05  # indexing a pre-decoded tensor: ~20x cheaper than decoding (FACTS.md)
@@ -62,6 +67,9 @@ class Guide:
     device: Literal["cpu", "cuda"]
     cpus: int
     hardware_class: str | None = None
+    # The study's loss tolerance (see `tolerance_limit`): rounds 2 and 3 spend trials only
+    # where the recommendation may land. None: every batch size is a candidate.
+    loss_tolerance: float | None = None
 
     def observations(self, trials: Sequence[FrozenTrial]) -> list[Observation]:
         """Completed, feasible trials of this machine class, as the model reads them."""
@@ -110,13 +118,34 @@ class Guide:
         tried = {o.params for o in self.observations(trials)} | {
             p for p in (stored_params(t) for t in trials if t.state in pending) if p is not None
         }
-        round_ = done + 1
+        for round_ in range(done + 1, ROUNDS + 1):  # a round with nothing to ask is skipped
+            wanted = self._round(round_, trials, model, tried)
+            if wanted:
+                return sorted(wanted, key=lambda p: -p.predicted)
+        return []
+
+    def _round(
+        self,
+        round_: int,
+        trials: Sequence[FrozenTrial],
+        model: PipelineModel,
+        tried: set[LoaderParams],
+    ) -> list[Proposal]:
+        if round_ == 1:
+            optima = (model.best(batch, self.space) for batch in self.space.batch_sizes)
+            return [
+                Proposal(b.params, b.throughput, round_) for b in optima if b.params not in tried
+            ]
+        allowed, leader = self._within_tolerance(trials)
+        if round_ == 3:
+            return [
+                Proposal(params, model.predict(params).throughput, round_)
+                for params in self._neighbours(leader)
+                if params not in tried
+            ]
         wanted = []
         for batch in self.space.batch_sizes:
-            if round_ == 1:
-                best = model.best(batch, self.space)
-                if best.params not in tried:
-                    wanted.append(Proposal(best.params, best.throughput, round_))
+            if batch not in allowed:
                 continue
             if not self._unsure(trials, batch, model.best(batch, self.space)):
                 continue
@@ -128,7 +157,36 @@ class Guide:
             untried = [p for p in ranked if p.params not in tried]
             if untried:
                 wanted.append(Proposal(untried[0].params, untried[0].throughput, round_))
-        return sorted(wanted, key=lambda p: -p.predicted)
+        return wanted
+
+    def _within_tolerance(
+        self, trials: Sequence[FrozenTrial]
+    ) -> tuple[set[int], TrialPoint | None]:
+        """The batch sizes the recommendation may still land on (none of their measurements
+        within the loss tolerance is known to be above it), and the fastest setting measured
+        within it (medians of repeats, as the recommendation reads them)."""
+        found = points_of(trials, self.hardware_class)
+        if self.loss_tolerance is None or not found.pareto:
+            return set(self.space.batch_sizes), max(
+                found.points, key=lambda p: p.throughput, default=None
+            )
+        limit, _, _ = tolerance_limit(
+            found.pareto, found.baseline, self.loss_tolerance, found.baseline_doubt
+        )
+        within = [p for p in found.points if p.val_loss <= limit]
+        ruled_out = {p.params.batch_size for p in found.points} - {
+            p.params.batch_size for p in within
+        }
+        leader = max(within, key=lambda p: p.throughput, default=None)
+        return set(self.space.batch_sizes) - ruled_out, leader
+
+    def _neighbours(self, leader: TrialPoint | None) -> list[LoaderParams]:
+        """The leader with half and twice its prefetch depth (within the space)."""
+        if leader is None or leader.params.prefetch_factor is None:
+            return []
+        depth, span = leader.params.prefetch_factor, self.space.prefetch_factor
+        depths = {min(max(d, span.low), span.high) for d in (depth // 2, depth * 2)} - {depth}
+        return [replace(leader.params, prefetch_factor=d) for d in sorted(depths)]
 
     def _unsure(self, trials: Sequence[FrozenTrial], batch: int, best: Prediction) -> bool:
         """After round 1: a batch size is worth a second model trial when its round-1 trial

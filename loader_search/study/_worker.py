@@ -76,7 +76,7 @@ def count_finished(study: optuna.Study) -> int:
 
 
 def _take_trial(
-    session: Session, health: Health
+    session: Session, health: Health, reporter: Reporter
 ) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
     """Under the study lock: sweep stale trials, check the hardware binding, decide on the
     budget (as stored now: `init` or `run --n-trials` elsewhere may have changed it; see
@@ -89,7 +89,9 @@ def _take_trial(
     """
     study = session.study
     grace = session.config.workers.grace_period_s
-    with study_lock(session.rdb.engine, session.study_id):
+    with study_lock(
+        session.rdb.engine, session.study_id, hold_limit_s=grace, on_lost=reporter.warning
+    ):
         fail_stale_trials(study, health, grace)
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
@@ -167,7 +169,11 @@ def _guide(session: Session) -> Guide | None:
     hardware = session.hardware
     cuda = session.device.type == "cuda"
     return Guide(
-        session.space, "cuda" if cuda else "cpu", hardware.usable_cpus, hardware.hardware_class
+        session.space,
+        "cuda" if cuda else "cpu",
+        hardware.usable_cpus,
+        hardware.hardware_class,
+        session.config.loss_tolerance,
     )
 
 
@@ -235,7 +241,7 @@ def work(
                 study=session.study.study_name,
             ):
                 taken = retrying(
-                    lambda: _take_trial(session, health),
+                    lambda: _take_trial(session, health, reporter),
                     on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
                 )
                 if taken is None:
@@ -268,8 +274,9 @@ def _unreachable(health: Health, reporter: Reporter, exc: BaseException, pause: 
 
 def _sweep(session: Session, health: Health) -> None:
     study = session.study
-    with study_lock(session.rdb.engine, session.study_id):
-        fail_stale_trials(study, health, session.config.workers.grace_period_s)
+    grace = session.config.workers.grace_period_s
+    with study_lock(session.rdb.engine, session.study_id, hold_limit_s=grace):
+        fail_stale_trials(study, health, grace)
 
 
 def _run_one(

@@ -15,6 +15,15 @@ trial that has to wait is told who holds the lock (`loader_search.team._holders`
 trial must be one step, or two workers that both see "one trial left" run two. The database
 itself provides it: ``pg_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on MySQL/MariaDB, and a
 ``flock`` beside the file for SQLite (workers on one machine).
+
+A holder that freezes (SIGSTOP, a machine lost without a word) must not stop the team: its
+session would keep the lock until the server notices, hours later. So the lock's session is
+told to end itself once idle for ``hold_limit_s`` (``idle_session_timeout`` on PostgreSQL,
+``wait_timeout`` on MySQL/MariaDB): the server then drops it and its lock, and the next worker
+goes on. A live holder's lock session is idle while it works under the lock on its other
+connections, so ``hold_limit_s`` must exceed the longest step taken under the lock (seconds;
+the worker gives its heartbeat grace). A holder that lost its lock this way says so when it
+releases it.
 """
 
 from __future__ import annotations
@@ -44,7 +53,14 @@ from loader_search.team._lockfiles import (
 )
 from loader_search.team._storage import in_memory
 
-__all__ = ["LOCK_DIR_ENV", "StudyLockTimeout", "host_lock", "lock_dir", "study_lock"]
+__all__ = [
+    "LOCK_DIR_ENV",
+    "StudyLockLost",
+    "StudyLockTimeout",
+    "host_lock",
+    "lock_dir",
+    "study_lock",
+]
 
 _LOCK_POLL_S = 0.1  # how often a waiting trial tries the host lock again
 _WAIT_REPORT_S = 30.0  # while a wait lasts, name the holder again this often (for logs)
@@ -135,14 +151,35 @@ def _lock_key(study_id: int) -> int:
 _MEMORY_LOCKS: dict[str, threading.Lock] = {}
 
 
+class StudyLockLost(StudyAborted):
+    """This worker held the study lock past ``hold_limit_s`` without a word (frozen), and the
+    server gave it to the next worker."""
+
+
 @contextlib.contextmanager
-def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> Iterator[None]:
-    """Serialise "count the budget, take the next trial" between every worker of a study."""
+def study_lock(
+    engine: Engine,
+    study_id: int,
+    *,
+    timeout_s: float = 600.0,
+    hold_limit_s: float = 120.0,
+    on_lost: Callable[[str], None] | None = None,
+) -> Iterator[None]:
+    """Serialise "count the budget, take the next trial" between every worker of a study.
+
+    A holder silent for ``hold_limit_s`` loses the lock (see the module docstring); it learns
+    so on release: ``on_lost`` is told why, or without it `StudyLockLost` is raised."""
     backend = engine.url.get_backend_name()
     waited = (
         f"waited {timeout_s:.0f} s for study #{study_id}'s lock, which another worker holds;"
         " if no worker is stuck, try again"
     )
+    lost = (
+        f"this worker was silent for more than {hold_limit_s:.0f} s while it held study"
+        f" #{study_id}'s lock (stopped or frozen?), so the database gave the lock to the next"
+        " worker; its last step may be repeated by another worker"
+    )
+    limit_s = max(1, round(hold_limit_s))
     if backend == "postgresql":
         with engine.connect() as connection:
             key = _lock_key(study_id)
@@ -156,11 +193,22 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
                 if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_timeout
                     raise StudyLockTimeout(waited) from None
                 raise
+            connection.execute(  # for the session: it ends itself, with its lock, once idle
+                sqlalchemy.text("SELECT set_config('idle_session_timeout', :ms, false)"),
+                {"ms": f"{limit_s * 1000}ms"},
+            )
             connection.commit()
             try:
                 yield
             finally:
-                _release(connection, "SELECT pg_advisory_unlock(:key)", {"key": key})
+                released = _release(
+                    connection,
+                    "SELECT pg_advisory_unlock(:key)",
+                    {"key": key},
+                    restore="SELECT set_config('idle_session_timeout', '0', false)",
+                )
+            if not released:
+                _lost(lost, on_lost)
     elif backend in ("mysql", "mariadb"):
         with engine.connect() as connection:
             name = f"loader_search_study_{study_id}"
@@ -170,10 +218,19 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
             ).scalar()
             if got != 1:
                 raise StudyLockTimeout(waited)
+            # For the session: the server closes it, and drops its lock, once idle that long.
+            connection.execute(sqlalchemy.text(f"SET SESSION wait_timeout = {limit_s}"))
             try:
                 yield
             finally:
-                _release(connection, "SELECT RELEASE_LOCK(:name)", {"name": name})
+                released = _release(
+                    connection,
+                    "SELECT RELEASE_LOCK(:name)",
+                    {"name": name},
+                    restore="SET SESSION wait_timeout = @@GLOBAL.wait_timeout",
+                )
+            if not released:
+                _lost(lost, on_lost)
     else:
         database = engine.url.database
         if not database or in_memory(engine.url):
@@ -193,11 +250,27 @@ def study_lock(engine: Engine, study_id: int, *, timeout_s: float = 600.0) -> It
                 os.close(fd)  # releases the record lock
 
 
-def _release(connection: sqlalchemy.Connection, statement: str, params: dict[str, object]) -> None:
-    """Unlock; a connection that cannot say so is thrown away, and the server drops its locks
-    with the session, so a lock never outlives a broken connection in the pool."""
+def _lost(message: str, on_lost: Callable[[str], None] | None) -> None:
+    if on_lost is None:
+        raise StudyLockLost(message)
+    on_lost(message)
+
+
+def _release(
+    connection: sqlalchemy.Connection,
+    statement: str,
+    params: dict[str, object],
+    restore: str | None = None,
+) -> bool:
+    """Unlock; whether the lock was still this session's. A connection that cannot say so is
+    thrown away (the server drops its locks with the session), so a lock never outlives a
+    broken connection in the pool. ``restore`` then puts the session's settings back."""
     try:
-        connection.execute(sqlalchemy.text(statement), params)
+        held = connection.execute(sqlalchemy.text(statement), params).scalar()
+        if restore is not None:
+            connection.execute(sqlalchemy.text(restore))
         connection.commit()
     except Exception:
         connection.invalidate()
+        return False
+    return bool(held)
