@@ -3,6 +3,7 @@ time counts the budget), on real lock files and real database servers."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -501,5 +502,53 @@ def test_a_frozen_holder_loses_the_study_lock_after_its_hold_limit(server_db: st
     # It waited for the frozen holder (the lock was held), then got the lock within the
     # limit plus the server's slack, not after the 60 s timeout.
     assert 1.0 <= waited <= 8.0, waited
-    assert "lost: this worker was silent for more than 2 s" in out
+    assert "lost: this worker no longer held study #7's lock" in out
+    assert "silent for more than 2 s" in out
     assert out.rstrip().endswith("released")
+
+
+def test_a_waiter_gets_its_turn_before_a_holder_that_asks_again(tmp_path: Path) -> None:
+    """A process running trials back to back releases the host lock and asks again at once;
+    a waiter must get the next turn, not wait for the whole run (the turnstile)."""
+    held = threading.Event()
+    turns: list[float] = []
+
+    def back_to_back() -> None:
+        for _ in range(8):
+            with host_lock(directory=tmp_path):
+                turns.append(time.monotonic())
+                held.set()
+                time.sleep(0.3)
+
+    thread = threading.Thread(target=back_to_back)
+    thread.start()
+    assert held.wait(10)
+    start = time.monotonic()
+    with host_lock(directory=tmp_path):
+        waited = time.monotonic() - start
+        served_before = len(turns)
+    thread.join()
+    assert len(turns) == 8
+    assert served_before < 8, "the waiter got the lock only after the whole run"
+    assert waited < 2.0, waited
+
+
+def test_a_waiter_stuck_in_the_turnstile_does_not_stall_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter stopped (Ctrl-Z) while in the turnstile would block every later trial: once
+    the host lock has been free for a while, the others go on without the turnstile."""
+    monkeypatch.setattr(locks, "_STUCK_TURNSTILE_S", 0.5)
+    with host_lock(directory=tmp_path):  # makes the lock files
+        pass
+    stuck = os.open(tmp_path / "queue.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(stuck, fcntl.LOCK_EX)  # the stopped waiter
+        told: list[str] = []
+        start = time.monotonic()
+        with host_lock(directory=tmp_path, on_wait=told.append):
+            waited = time.monotonic() - start
+    finally:
+        os.close(stuck)
+    assert 0.5 <= waited < 3.0, waited
+    assert told and told[0].startswith(f"pid {os.getpid()} "), told  # the turnstile's holder

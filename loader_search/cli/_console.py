@@ -268,7 +268,12 @@ class RichReporter:
         self.status: Any = None
 
     def preparing(self, what: str) -> None:
-        """A spinner while the workload is built and the storage opened (can take a while)."""
+        """A spinner while the workload is built, the storage opened or a lock awaited (can
+        take a while). Where output is not a terminal (a log), a spinner shows nothing: each
+        message is a line instead (a wait repeats its line while it lasts)."""
+        if not self.console.is_terminal:
+            self.console.print(f"  {escape(what)} ...", soft_wrap=True)
+            return
         if self.status is None:
             self.status = self.console.status(escape(what) + " ...")
             self.status.start()

@@ -5,7 +5,9 @@ GPU from each other and make both throughputs wrong. By default a trial holds th
 (an exclusive ``flock`` on ``host.lock``). A worker pinned to its own CPUs (and GPU) holds the
 host lock *shared* plus an exclusive lock per CPU and GPU it uses: pinned workers with
 disjoint sets run side by side, overlapping ones take turns, and an unpinned trial waits for
-all of them (and they for it).
+all of them (and they for it). Waiters take turns: each passes a turnstile (``queue.lock``)
+that it holds until it has the host lock, so a process that releases the lock and asks again
+queues behind whoever already waits.
 
 The lock folder is shared by every user of the machine, like ``/tmp``: its files are opened
 as `loader_search.team._lockfiles` says, never trusting what another user may have planted. A
@@ -18,12 +20,12 @@ itself provides it: ``pg_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on MySQL/Ma
 
 A holder that freezes (SIGSTOP, a machine lost without a word) must not stop the team: its
 session would keep the lock until the server notices, hours later. So the lock's session is
-told to end itself once idle for ``hold_limit_s`` (``idle_session_timeout`` on PostgreSQL,
-``wait_timeout`` on MySQL/MariaDB): the server then drops it and its lock, and the next worker
-goes on. A live holder's lock session is idle while it works under the lock on its other
-connections, so ``hold_limit_s`` must exceed the longest step taken under the lock (seconds;
-the worker gives its heartbeat grace). A holder that lost its lock this way says so when it
-releases it.
+told to end itself once idle for ``hold_limit_s`` (``idle_session_timeout`` on PostgreSQL 14
+and later, ``wait_timeout`` on MySQL/MariaDB): the server then drops it and its lock, and the
+next worker goes on. A live holder's lock session is idle while it works under the lock on its
+other connections, so ``hold_limit_s`` must exceed the longest step taken under the lock
+(seconds; the worker gives its heartbeat grace). A holder that lost its lock this way says so
+when it releases it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ __all__ = [
 
 _LOCK_POLL_S = 0.1  # how often a waiting trial tries the host lock again
 _WAIT_REPORT_S = 30.0  # while a wait lasts, name the holder again this often (for logs)
+# A turnstile held this long while the host lock is free: its holder is stuck (see _take_turn).
+_STUCK_TURNSTILE_S = 5.0
 
 
 class _Waiting:
@@ -88,13 +92,36 @@ class _Waiting:
 def _flock(lock_fd: int, mode: int, waiting: _Waiting) -> None:
     """Take ``mode`` on ``lock_fd``; while it is busy, say who holds it and wait (polling, so
     that a Ctrl-C is acted on: see `loader_search.interrupts`)."""
-    while True:
-        try:
-            fcntl.flock(lock_fd, mode | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            waiting.busy(lock_fd)
-            interrupts.sleep(_LOCK_POLL_S)
+    while not _try(lock_fd, mode):
+        waiting.busy(lock_fd)
+        interrupts.sleep(_LOCK_POLL_S)
+
+
+def _try(lock_fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(lock_fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _take_turn(turnstile: int, host: int, waiting: _Waiting) -> None:
+    """Queue at the turnstile, telling who holds the host lock meanwhile. A waiter that
+    stopped in the turnstile (Ctrl-Z) must not stall the machine: once the host lock has
+    been free for `_STUCK_TURNSTILE_S` while the turnstile stayed taken, go on without it
+    (and until then, name the turnstile's holder)."""
+    free_since: float | None = None
+    while not _try(turnstile, fcntl.LOCK_EX):
+        if _try(host, fcntl.LOCK_EX):  # free: nobody trains; let it go at once
+            fcntl.flock(host, fcntl.LOCK_UN)
+            free_since = free_since if free_since is not None else time.monotonic()
+            if time.monotonic() - free_since >= _STUCK_TURNSTILE_S:
+                return
+            waiting.busy(turnstile)
+        else:
+            free_since = None
+            waiting.busy(host)
+        interrupts.sleep(_LOCK_POLL_S)
 
 
 @contextlib.contextmanager
@@ -129,7 +156,18 @@ def host_lock(
             folder_fd, "host.lock", folder / "host.lock", os.O_RDONLY, share=True
         )
         stack.callback(os.close, host)
-        _flock(host, fcntl.LOCK_SH if pinned else fcntl.LOCK_EX, waiting)
+        # Turns: waiters pass a turnstile one at a time, and the one in it holds it until it
+        # has the host lock. A process that runs trials back to back queues there too, behind
+        # whoever already waits, instead of winning every race to the lock. (Among several
+        # waiters at the turnstile, the order is not strictly their arrival.)
+        turnstile = open_lock_file(
+            folder_fd, "queue.lock", folder / "queue.lock", os.O_RDONLY, share=True
+        )
+        try:
+            _take_turn(turnstile, host, waiting)
+            _flock(host, fcntl.LOCK_SH if pinned else fcntl.LOCK_EX, waiting)
+        finally:
+            os.close(turnstile)  # releases it
         stack.enter_context(holder_note(folder_fd, study))
         for name in names:  # always in the same order: no deadlock between pinned workers
             handle = open_lock_file(folder_fd, name, folder / name, os.O_RDONLY, share=True)
@@ -175,9 +213,10 @@ def study_lock(
         " if no worker is stuck, try again"
     )
     lost = (
-        f"this worker was silent for more than {hold_limit_s:.0f} s while it held study"
-        f" #{study_id}'s lock (stopped or frozen?), so the database gave the lock to the next"
-        " worker; its last step may be repeated by another worker"
+        f"this worker no longer held study #{study_id}'s lock when it let it go: silent for"
+        f" more than {hold_limit_s:.0f} s while holding it (stopped or frozen?), or its"
+        " connection broke; the database gave the lock to the next worker, so this worker's"
+        " last step may have run beside another's"
     )
     limit_s = max(1, round(hold_limit_s))
     if backend == "postgresql":
@@ -193,19 +232,22 @@ def study_lock(
                 if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_timeout
                     raise StudyLockTimeout(waited) from None
                 raise
-            connection.execute(  # for the session: it ends itself, with its lock, once idle
-                sqlalchemy.text("SELECT set_config('idle_session_timeout', :ms, false)"),
-                {"ms": f"{limit_s * 1000}ms"},
-            )
-            connection.commit()
+            # For the session: it ends itself, with its lock, once idle (PostgreSQL 14+).
+            limited = (connection.dialect.server_version_info or (0,)) >= (14,)
             try:
+                if limited:
+                    connection.execute(
+                        sqlalchemy.text("SELECT set_config('idle_session_timeout', :ms, false)"),
+                        {"ms": f"{limit_s * 1000}ms"},
+                    )
+                connection.commit()
                 yield
             finally:
                 released = _release(
                     connection,
                     "SELECT pg_advisory_unlock(:key)",
                     {"key": key},
-                    restore="SELECT set_config('idle_session_timeout', '0', false)",
+                    restore="RESET idle_session_timeout" if limited else None,
                 )
             if not released:
                 _lost(lost, on_lost)
@@ -218,9 +260,9 @@ def study_lock(
             ).scalar()
             if got != 1:
                 raise StudyLockTimeout(waited)
-            # For the session: the server closes it, and drops its lock, once idle that long.
-            connection.execute(sqlalchemy.text(f"SET SESSION wait_timeout = {limit_s}"))
             try:
+                # For the session: the server closes it, and drops its lock, once idle so long.
+                connection.execute(sqlalchemy.text(f"SET SESSION wait_timeout = {limit_s}"))
                 yield
             finally:
                 released = _release(
@@ -264,13 +306,17 @@ def _release(
 ) -> bool:
     """Unlock; whether the lock was still this session's. A connection that cannot say so is
     thrown away (the server drops its locks with the session), so a lock never outlives a
-    broken connection in the pool. ``restore`` then puts the session's settings back."""
+    broken connection in the pool; nor does one whose settings ``restore`` cannot put back."""
     try:
         held = connection.execute(sqlalchemy.text(statement), params).scalar()
-        if restore is not None:
-            connection.execute(sqlalchemy.text(restore))
         connection.commit()
     except Exception:
         connection.invalidate()
         return False
+    if restore is not None:
+        try:
+            connection.execute(sqlalchemy.text(restore))
+            connection.commit()
+        except Exception:
+            connection.invalidate()
     return bool(held)
