@@ -478,6 +478,13 @@ def main(argv: list[str] | None = None) -> None:
         help="replay: variant names separated by ; (default: all of them)",
     )
     parser.add_argument(
+        "--regime",
+        choices=sorted(ground_truth.REGIMES),
+        default="quickstart",
+        help="ground-truth, resolve, replay: the quickstart (CPU-bound) or the GPU stand-in"
+        " (studies/standin.toml, loader-bound); the stand-in's files end in _standin",
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         default=ground_truth.QUICKSTART,
@@ -501,20 +508,26 @@ def main(argv: list[str] | None = None) -> None:
         f"Measured on: {machine()}" + (" (--quick: sizes, not timings)" if args.quick else "")
     ]
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
-    data = out / ("ground_truth_quick.jsonl" if args.quick else "ground_truth.jsonl")
-    resolved_data = out / ("resolve_quick.jsonl" if args.quick else "resolve.jsonl")
+    regime = ground_truth.REGIMES[args.regime]
+    suffix = regime.suffix + ("_quick" if args.quick else "")
+    if args.command == "resolve" and not regime.resolvable:
+        parser.error(f"--regime {regime.name}: resolve re-measures the quickstart's table only")
+    data = out / f"ground_truth{suffix}.jsonl"
+    resolved_data = out / f"resolve{suffix}.jsonl"
     if args.command in ("ground-truth", "resolve", "replay", "all"):
         if args.command not in ("replay", "resolve") or not data.exists():
-            ground_truth.run(data, repeats=repeats, quick=args.quick)
+            ground_truth.run(data, repeats=repeats, quick=args.quick, regime=regime)
         entries = ground_truth.aggregate(ground_truth.read_rows(data))
         text, stats = ground_truth_section(entries)
-        ground_truth.save_table(entries, out / "ground_truth_table.json", {"machine": machine()})
+        ground_truth.save_table(
+            entries, out / f"ground_truth_table{suffix}.json", {"machine": machine()}
+        )
         results["ground_truth"] = stats
         sections += ["## Ground truth", text, "## Noise", noise_section(stats)]
-        config = load_config(ground_truth.QUICKSTART)
+        config = load_config(regime.config)
         training = ground_truth.quick_config(config).training if args.quick else config.training
-        table = ground_truth.QUICK_SPACE if args.quick else ground_truth.FULL_SPACE
-        if args.command in ("resolve", "all"):
+        table = ground_truth.QUICK_SPACE if args.quick else regime.space
+        if args.command in ("resolve", "all") and regime.resolvable:
             proposed = replay.measured_by_default(
                 entries, table, training, seeds=seeds, budget=max(budgets)
             )
@@ -528,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
                 min_rounds=min_rounds,
                 max_rounds=max_rounds,
             )
-        if resolved_data.exists():  # judge against the re-measured contenders
+        if regime.resolvable and resolved_data.exists():  # judge against the re-measured
             resolved_rows = ground_truth.read_rows(resolved_data)
             stats = resolve.summary(entries, resolved_rows)
             results["resolve"] = stats
@@ -563,8 +576,9 @@ def main(argv: list[str] | None = None) -> None:
         results["claims"] = result
         sections += ["## Claimed speedup against side by side", claims_section(result)]
     results["elapsed_s"] = time.perf_counter() - started
-    (out / f"{args.command}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    name = args.command + regime.suffix
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     report = "\n\n".join(sections) + "\n"
-    (out / f"{args.command}.md").write_text(report)
+    (out / f"{name}.md").write_text(report)
     print(report)
     print(f"(results in {out}; {results['elapsed_s']:.0f} s)")

@@ -1,13 +1,17 @@
 """Ground truth: every configuration of a small real space, measured several times.
 
 Each measurement is one real trial exactly as a study runs it (`run_isolated`: a forked child
-trains the quickstart workload for its whole budget and evaluates), under the host lock, so
+trains the regime's workload for its whole budget and evaluates), under the host lock, so
 nothing else of loader-search trains beside it. The configurations run in a shuffled order, one
 pass per repeat, so a transient disturbance of the machine hits one repeat of a few
 configurations rather than every repeat of one.
 
 Every measurement is appended to a JSON-lines file as it finishes (a stopped run resumes where
 it stopped); `aggregate` turns them into the table: median and spread per configuration.
+
+Two regimes (`REGIMES`): the quickstart, CPU-bound on both sides, and the GPU stand-in
+(``studies/standin.toml``), whose training step waits on a "device" with the GIL released so
+the loader workers are the bottleneck, as on a GPU server.
 """
 
 from __future__ import annotations
@@ -18,20 +22,22 @@ import random
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
-from loader_search.study._space import IntRange
+from loader_search.study._space import IntRange, default_torch_threads
 from loader_search.team._locks import host_lock
 from loader_search.trial._job import TrialJob
 from loader_search.trial._run import short_run_samples
 from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads import Workload, load_workload
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "studies" / "quickstart.toml"
+STUDIES = Path(__file__).resolve().parent.parent / "studies"
+QUICKSTART = STUDIES / "quickstart.toml"
+STANDIN = STUDIES / "standin.toml"
 
 
 @dataclass(frozen=True)
@@ -43,12 +49,17 @@ class Space:
     prefetch: tuple[int, ...]
     persistent: tuple[bool, ...]
     threads: tuple[int, ...]
+    # Only the thread count the service's default rule gives each worker count (the table of
+    # a search that does not search threads; half the size).
+    rule_threads: bool = False
 
     def configs(self) -> list[LoaderParams]:
         out = []
         for batch, workers, threads in itertools.product(
             self.batch_sizes, self.workers, self.threads
         ):
+            if self.rule_threads and threads != default_torch_threads(workers, max(self.threads)):
+                continue
             if workers == 0:
                 out.append(LoaderParams(batch, 0, torch_threads=threads))
                 continue
@@ -60,6 +71,25 @@ class Space:
 # 4 x (1 + 3 x 3 x 2) x 2 = 152 configurations of the quickstart workload on a CPU.
 FULL_SPACE = Space((32, 64, 128, 256), (0, 1, 2, 3), (1, 2, 4), (False, True), (1, 2))
 QUICK_SPACE = Space((32, 64), (0, 1), (2,), (True,), (1,))
+# 4 x (1 + 3 x 3 x 2) = 76: the stand-in's table, threads by the default rule.
+STANDIN_SPACE = replace(FULL_SPACE, rule_threads=True)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What a ground truth measures: a study config, its grid, and where its files go."""
+
+    name: str
+    config: Path
+    space: Space
+    suffix: str  # of the data files: ground_truth{suffix}.jsonl, replay{suffix}.json, ...
+    resolvable: bool  # whether `benchmarks.resolve` re-measures its contenders
+
+
+REGIMES = {
+    "quickstart": Regime("quickstart", QUICKSTART, FULL_SPACE, "", resolvable=True),
+    "standin": Regime("standin", STANDIN, STANDIN_SPACE, "_standin", resolvable=False),
+}
 
 
 def key(params: LoaderParams) -> str:
@@ -69,8 +99,6 @@ def key(params: LoaderParams) -> str:
 
 def quick_config(config: StudyConfig) -> StudyConfig:
     """The quickstart shrunk to seconds (for --quick: checks the code path, not timings)."""
-    from dataclasses import replace
-
     return replace(
         config,
         workload_options={**config.workload_options, "train_size": 512, "val_size": 128},
@@ -143,13 +171,14 @@ def run(
     quick: bool,
     seed: int = 0,
     log: Any = print,
+    regime: Regime = REGIMES["quickstart"],
 ) -> list[dict[str, Any]]:
     """Measure every configuration ``repeats`` times, appending to ``path`` (resumable)."""
-    config = load_config(QUICKSTART)
+    config = load_config(regime.config)
     if quick:
         config = quick_config(config)
     workload = load_workload(config.workload, config.workload_options)
-    space = QUICK_SPACE if quick else FULL_SPACE
+    space = QUICK_SPACE if quick else regime.space
     configs = space.configs()
     done = {(r["config"], r["repeat"]) for r in read_rows(path)}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,46 @@ torch_threads = 1
 """
 
 
+# A study whose candidates are confirmed in paired rounds: the training step waits 200 us per
+# sample with the GIL released (the GPU stand-in), so a persistent loader worker beats the
+# baseline; every batch size is within the loss tolerance.
+CONFIRMED_CONFIG = """
+[study]
+name = "confirmed"
+trials = 4
+seed = 0
+loss_tolerance = 10.0
+confirm_top = 2
+confirm_min_rounds = 2
+confirm_max_rounds = 3
+
+[sampler]
+name = "random"
+
+[workload]
+name = "synthetic-images"
+
+[workload.options]
+image_size = 16
+train_size = 256
+val_size = 64
+device_us_per_sample = 200
+
+[training]
+device = "cpu"
+train_samples = 1024
+batch_size = 16
+eval_batch_size = 64
+
+[space]
+batch_size = { min = 16, max = 32 }
+num_workers = { min = 1, max = 1 }
+prefetch_factor = { min = 1, max = 2 }
+persistent_workers = true
+torch_threads = 1
+"""
+
+
 @pytest.fixture(scope="session")
 def tiny_workload() -> Workload:
     """A real, small synthetic-images workload (16x16 PNGs), built once per test session."""

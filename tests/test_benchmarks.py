@@ -59,7 +59,7 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "ground_truth_quick.jsonl").open()]
     assert len(rows) == 8 and all(r["throughput"] > 0 and r["val_loss"] > 0 for r in rows)
     assert all(r["producer_cpu_s_per_sample"] > 0 and r["main_cpu_s_per_batch"] > 0 for r in rows)
-    table = json.loads((tmp_path / "ground_truth_table.json").read_text())["configs"]
+    table = json.loads((tmp_path / "ground_truth_table_quick.json").read_text())["configs"]
     assert all(len(c["throughputs"]) == 2 and c["ceiling"] > 0 for c in table)
     assert all(c["ceiling_wall_s"] >= 0 for c in table)
     assert all(len(c["costs"]) == 2 for c in table)  # stage costs per repeat, for the model

@@ -3,6 +3,7 @@ does next under the study lock, and what the benchmarks' replay follows too."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import optuna
@@ -33,7 +34,10 @@ from loader_search.study._keys import (
     PARAMS_ATTR,
     RETRY_HISTORY,
     TOLERANCE_ATTR,
+    WORKER_ATTR,
 )
+from loader_search.study._worker import Patience
+from loader_search.trial._failures import INTERRUPTED
 
 NO_CONFIRM = ConfirmSettings(
     top=0, min_rounds=3, max_rounds=6, half_width=0.05, loss_tolerance=0.05
@@ -247,3 +251,43 @@ def test_confirm_settings_are_the_study_s_else_the_config_s() -> None:
     # A study stored before the paired rounds: its repeats stand for the minimum of rounds.
     older = {CONFIRM_ATTR: {"top": 3, "repeats": 2}, TOLERANCE_ATTR: 0.05}
     assert confirm_settings(older, config) == ConfirmSettings(3, 2, 9, 0.03, 0.05)
+
+
+def test_the_rounds_stay_on_the_worker_that_runs_them_until_it_falls_silent() -> None:
+    """In a team, one worker runs the confirmation rounds (drift and neighbours' load then hit
+    every setting of a round alike); the others wait, and take over once they found it silent
+    (by their own clocks) or its last trial was interrupted."""
+
+    def confirmation(state: TrialState, **attrs: Any) -> FrozenTrial:
+        return _trial(
+            3,
+            state,
+            values=(100.0, 1.0) if state == TrialState.COMPLETE else None,
+            **{CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: 0, WORKER_ATTR: "host-a:41"},
+            **attrs,
+        )
+
+    trials = [*_searched(), confirmation(TrialState.COMPLETE)]
+    next_trial = Confirm(Remeasure(LoaderParams(32, 2, 2), 0))
+    assert decide(trials, 3, CONFIRM, worker="host-a:41") == next_trial
+    waiting = decide(trials, 3, CONFIRM, worker="host-b:7")
+    assert waiting == Wait(0, rounds_on="host-a:41", last_confirmation=3)
+    assert decide(trials, 3, CONFIRM, worker="host-b:7", owner_silent=True) == next_trial
+    # Its last trial was interrupted: it left, and the next worker goes on at once.
+    left = [*_searched(), confirmation(TrialState.FAIL, **{FAILURE_REASON: INTERRUPTED})]
+    assert isinstance(decide(left, 3, CONFIRM, worker="host-b:7"), Confirm)
+    # Without a worker name (the benchmarks' replay, one process) nothing waits.
+    assert decide(trials, 3, CONFIRM) == next_trial
+
+
+def test_a_waiting_worker_finds_the_rounds_owner_silent_by_its_own_clock() -> None:
+    patience = Patience(0.2)
+    assert not patience.owner_silent()
+    patience.saw(Wait(0, rounds_on="host-a:41", last_confirmation=3))
+    assert not patience.owner_silent()
+    time.sleep(0.25)
+    assert patience.owner_silent()  # the same last trial for the whole grace period
+    patience.saw(Wait(0, rounds_on="host-a:41", last_confirmation=4))
+    assert not patience.owner_silent()  # the owner ran another trial: it is alive
+    patience.saw(Wait(2))  # trials running elsewhere say nothing about the owner
+    assert not patience.owner_silent()

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 from loader_search.cli._commands import app
 from loader_search.study._keys import METRIC_NAMES
-from tests.conftest import ROOT, run_cli
+from loader_search.team._locks import host_lock
+from tests.conftest import CONFIRMED_CONFIG, ROOT, run_cli
 
 PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"
 
@@ -126,55 +127,51 @@ def test_studies_lists_counts(finished_study: tuple[str, Path, str]) -> None:
     assert cells[6].startswith(speedup)
 
 
-# A study whose candidates are confirmed in paired rounds: the training step waits 200 us per
-# sample with the GIL released (the GPU stand-in), so a persistent loader worker beats the
-# baseline; every batch size is within the loss tolerance.
-CONFIRMED = """
-[study]
-name = "confirmed"
-trials = 4
-seed = 0
-loss_tolerance = 10.0
-confirm_top = 2
-confirm_min_rounds = 2
-confirm_max_rounds = 3
-
-[sampler]
-name = "random"
-
-[workload]
-name = "synthetic-images"
-
-[workload.options]
-image_size = 16
-train_size = 256
-val_size = 64
-device_us_per_sample = 200
-
-[training]
-device = "cpu"
-train_samples = 1024
-batch_size = 16
-eval_batch_size = 64
-
-[space]
-batch_size = { min = 16, max = 32 }
-num_workers = { min = 1, max = 1 }
-prefetch_factor = { min = 1, max = 2 }
-persistent_workers = true
-torch_threads = 1
-"""
-
-
 @pytest.fixture(scope="module")
 def confirmed_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp("confirmed")
     config = folder / "confirmed.toml"
-    config.write_text(CONFIRMED)
+    config.write_text(CONFIRMED_CONFIG)
     url = f"sqlite:///{folder / 'studies.db'}"
     result = run_cli("run", str(config), "--storage", url)
     assert result.returncode == 0, result.stderr
     return url, result.stdout
+
+
+def test_a_worker_of_a_finished_study_exits_without_waiting_for_the_host_lock(
+    confirmed_study: tuple[str, str], tmp_path: Path
+) -> None:
+    """Seeing that the budget is used (and the rounds done) needs no host lock: a worker
+    joining a finished study leaves at once even while another process holds the machine."""
+    url, _ = confirmed_study
+    env = {"LOADER_SEARCH_LOCK_DIR": str(tmp_path)}
+    with host_lock(directory=tmp_path, study="someone else's"):
+        started = time.monotonic()
+        done = run_cli("worker", "confirmed", "--storage", url, env=env)
+        took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert "waiting for the host lock" not in done.stdout + done.stderr
+    assert took < 60, took  # a worker that waited would hang here until the lock is free
+
+
+def test_a_run_waiting_for_the_host_lock_says_so_in_a_log(
+    tiny_config: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Output that is not a terminal (a log) gets a line naming the lock's holder, where a
+    terminal gets a spinner."""
+    locks = tmp_path / "locks"
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    env = {**os.environ, "LOADER_SEARCH_LOCK_DIR": str(locks)}
+    env.pop("LOADER_SEARCH_STORAGE", None)
+    command = [sys.executable, "-m", "loader_search", "run", str(tiny_config()), "--storage", url]
+    with host_lock(directory=locks, study="held-elsewhere"):
+        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        assert run.stdout is not None
+        said = next((line for line in run.stdout if "waiting for the host lock" in line), "")
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+    assert f"held by pid {os.getpid()} (user " in said
+    assert "study held-elsewhere" in said
 
 
 def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(

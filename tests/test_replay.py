@@ -20,7 +20,15 @@ import pytest
 from optuna.trial import TrialState
 
 from benchmarks import cli
-from benchmarks.ground_truth import FULL_SPACE, QUICK_SPACE, Entry, Space, aggregate
+from benchmarks.ground_truth import (
+    FULL_SPACE,
+    QUICK_SPACE,
+    REGIMES,
+    STANDIN_SPACE,
+    Entry,
+    Space,
+    aggregate,
+)
 from benchmarks.replay import (
     BASE_VARIANT,
     EQUAL_LOSS,
@@ -34,7 +42,7 @@ from benchmarks.replay import (
     trials_to_5pct,
 )
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._config import SamplerConfig
+from loader_search.study._config import SamplerConfig, load_config
 from loader_search.study._keys import (
     CEILING_ATTR,
     CONFIRM_ROUND_ATTR,
@@ -43,6 +51,7 @@ from loader_search.study._keys import (
     VAL_LOSS_FROM,
 )
 from loader_search.study._recommend import summarize_trials
+from loader_search.study._space import default_torch_threads
 
 # QUICK_SPACE.configs(): batch 32 and 64, each without workers and with one worker.
 B32_W0, B32_W1, B64_W0, B64_W1 = QUICK_SPACE.configs()
@@ -350,7 +359,8 @@ def test_replay_charges_one_ceiling_reading_per_batch_size_and_threads(seed: int
     seen: set[tuple[int, int]] = set()
     expected = 0.0
     for trial in trials:
-        params = LoaderParams.from_dict(trial.user_attrs[PARAMS_ATTR])
+        # Stored in the space's terms, as the service stores them; the table's looked up.
+        params = _to_table(LoaderParams.from_dict(trial.user_attrs[PARAMS_ATTR]), QUICK_SPACE)
         stored = truth.entries[params]
         expected += stored.short_wall_s if VAL_LOSS_FROM in trial.user_attrs else stored.wall_s
         pair = (params.batch_size, params.torch_threads)
@@ -404,3 +414,12 @@ def test_quick_space_has_the_four_configurations_the_tests_assume() -> None:
         (64, 1),
     ]
     assert math.isclose(tiny_truth().best_throughput, 260.0)
+
+
+def test_the_standin_table_holds_the_default_rules_threads_only() -> None:
+    configs = STANDIN_SPACE.configs()
+    assert len(configs) == len(FULL_SPACE.configs()) // 2 == 76
+    assert all(p.torch_threads == default_torch_threads(p.num_workers, 2) for p in configs)
+    # Its config is the stand-in: a training step that waits on a "device" per sample.
+    config = load_config(REGIMES["standin"].config)
+    assert config.workload_options["device_us_per_sample"] > 0

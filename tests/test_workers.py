@@ -18,10 +18,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from loader_search.study._keys import FAILURE_REASON
+from loader_search.study._keys import CONFIRMATION_ATTR, FAILURE_REASON, WORKER_ATTR
 from loader_search.study._worker import count_finished
 from loader_search.workloads import Workload
 from tests.conftest import (
+    CONFIRMED_CONFIG,
     MARIADB_URL,
     POSTGRES_URL,
     ROOT,
@@ -378,3 +379,20 @@ def test_a_result_written_during_an_outage_is_kept(
     assert stored.values == [result.throughput_samples_per_s, result.val_loss]
     assert stored.constraints == {"feasible": 0.0}
     assert waited >= 2.5  # it really waited for the server
+
+
+def test_the_confirmation_rounds_run_on_one_worker(tmp_path: Path, env: dict[str, str]) -> None:
+    """Three workers share a study; once its budget is used, its paired rounds all run on
+    one of them (drift and neighbours' load then hit every setting of a round alike), while
+    the others wait for them to end."""
+    url = f"sqlite:///{tmp_path / 'team.db'}"
+    path = tmp_path / "confirmed.toml"
+    team = WORKERS.replace("grace_period_s = 4", "grace_period_s = 60")
+    path.write_text(CONFIRMED_CONFIG.replace('name = "confirmed"', 'name = "tiny"') + team)
+    assert run_cli("init", str(path), "--storage", url, env=env).returncode == 0
+    _run_workers(url, tmp_path, env, 3)
+    trials = _study(url).trials
+    rounds = [t for t in trials if t.user_attrs.get(CONFIRMATION_ATTR)]
+    assert len(rounds) >= 4, "the rounds ran (the baseline and at least one candidate, twice)"
+    assert len({t.user_attrs[WORKER_ATTR] for t in rounds}) == 1
+    assert len({t.user_attrs[WORKER_ATTR] for t in trials}) > 1, "the search was shared"

@@ -16,7 +16,12 @@ from typing import Any, TypeAlias
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.study._config import StudyConfig
-from loader_search.study._confirm import ConfirmSettings, Remeasure, next_remeasure
+from loader_search.study._confirm import (
+    ConfirmSettings,
+    Remeasure,
+    next_remeasure,
+    rounds_owner,
+)
 from loader_search.study._guide import Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -107,9 +112,12 @@ class Take:
 class Wait:
     """The budget is used but trials still run elsewhere: their worker may have died (then
     the sweeper queues a retry), or they may turn out to be the best candidates (then they
-    are re-measured), so the study is not done yet."""
+    are re-measured), so the study is not done yet. Or (``rounds_on``) the confirmation
+    rounds run on another worker, whose last trial is ``last_confirmation``."""
 
     running: int
+    rounds_on: str | None = None
+    last_confirmation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,8 @@ def decide(
     grid_size: int | None = None,
     hardware_class: str | None = None,
     proposals: Sequence[Proposal] = (),
+    worker: str | None = None,
+    owner_silent: bool = False,
 ) -> Decision:
     """What a worker does next, given every trial of the study (read under the study lock),
     its ``budget`` as stored now, and its re-measurement settings.
@@ -146,6 +156,12 @@ def decide(
     ``proposals`` (as many as the budget has room for). Once the budget is used:
     wait while trials run, then run the confirmation rounds one trial at a time (on
     ``hardware_class``'s trials; see `loader_search.study._confirm`), then stop.
+
+    The rounds run on one ``worker`` (named as trials store it, `WORKER_ATTR`), so that drift
+    and neighbours' load hit every setting of a round alike: the one that ran the last
+    confirmation trial (`rounds_owner`). The others wait, until the asking worker finds the
+    owner silent (``owner_silent``: the same last confirmation trial for a grace period, by
+    the asker's own clock, as workers' clocks differ); then it takes the rounds over.
     """
     if any(t.state == TrialState.WAITING for t in trials):
         return Take()
@@ -161,4 +177,9 @@ def decide(
     if running:
         return Wait(running)
     remeasure = next_remeasure(trials, confirm, hardware_class)
-    return Confirm(remeasure) if remeasure is not None else Done()
+    if remeasure is None:
+        return Done()
+    owner = rounds_owner(trials, hardware_class)
+    if worker is not None and owner is not None and owner[0] != worker and not owner_silent:
+        return Wait(0, rounds_on=owner[0], last_confirmation=owner[1])
+    return Confirm(remeasure)

@@ -96,7 +96,7 @@ class StudyConfig:
     # ``confirm_half_width`` of its estimate, at most ``confirm_max_rounds``.
     confirm_top: int = 3
     confirm_min_rounds: int = 3
-    confirm_max_rounds: int = 10
+    confirm_max_rounds: int = 15
     confirm_half_width: float = 0.05
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)

@@ -39,6 +39,7 @@ from loader_search.params import LoaderParams
 from loader_search.study._keys import (
     CONFIRM_ROUND_ATTR,
     FAILURE_REASON,
+    WORKER_ATTR,
     is_confirmation,
     stored_params,
     trial_hardware_class,
@@ -281,6 +282,28 @@ def next_remeasure(
         if not order or _settled(rounds, current + 1, confirm):
             return None
         current += 1
+
+
+def rounds_owner(
+    trials: Sequence[FrozenTrial], hardware_class: str | None
+) -> tuple[str, int] | None:
+    """Who runs ``hardware_class``'s confirmation rounds: the worker that ran the last
+    finished confirmation trial, with that trial's number; None when there is none yet, or
+    it was interrupted (its worker left), so that anyone may take them."""
+    finished = [
+        t
+        for t in trials
+        if is_confirmation(t)
+        and t.state in (TrialState.COMPLETE, TrialState.FAIL)
+        and (hardware_class is None or trial_hardware_class(t) == hardware_class)
+    ]
+    if not finished:
+        return None
+    last = max(finished, key=lambda t: t.number)
+    owner = last.user_attrs.get(WORKER_ATTR)
+    if last.user_attrs.get(FAILURE_REASON) == INTERRUPTED or not isinstance(owner, str):
+        return None
+    return owner, last.number
 
 
 def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:

@@ -8,8 +8,9 @@ moved, or whose prediction missed by more than `UNSURE_ERROR`, gets that setting
 unless its validation loss already rules it out of the recommendation (above the loss
 tolerance). The model tells settings apart by workers and threads; the prefetch depth only
 smooths bursts in it, yet moved throughput by 5% on the measured table (benchmarks/RESULTS.md).
-So round 3 measures the prefetch neighbours (half and twice the depth) of the leader, the
-fastest setting measured within the loss tolerance. Then the configured sampler goes on, with
+So round 3 measures the prefetch neighbours of the leader (the fastest setting measured within
+the loss tolerance): the next depths below and above its own on a doubling ladder, half and
+twice its depth where the range allows. Then the configured sampler goes on, with
 every model trial in its history. The
 recommendation always rests on real measurements; the model only chooses what to measure and
 explains the result (the pipeline limit of a batch size, what bounds it, what would lift it).
@@ -181,12 +182,16 @@ class Guide:
         return set(self.space.batch_sizes) - ruled_out, leader
 
     def _neighbours(self, leader: TrialPoint | None) -> list[LoaderParams]:
-        """The leader with half and twice its prefetch depth (within the space)."""
+        """The leader with the next prefetch depths below and above its own on a doubling
+        ladder within the space (1, 2, 4, 8 for 1..8: half and twice its depth)."""
         if leader is None or leader.params.prefetch_factor is None:
             return []
         depth, span = leader.params.prefetch_factor, self.space.prefetch_factor
-        depths = {min(max(d, span.low), span.high) for d in (depth // 2, depth * 2)} - {depth}
-        return [replace(leader.params, prefetch_factor=d) for d in sorted(depths)]
+        doublings = (2**k for k in range(span.high.bit_length()))
+        ladder = sorted({span.low, span.high, depth} | {d for d in doublings if d >= span.low})
+        at = ladder.index(depth)
+        depths = ladder[max(0, at - 1) : at] + ladder[at + 1 : at + 2]
+        return [replace(leader.params, prefetch_factor=d) for d in depths]
 
     def _unsure(self, trials: Sequence[FrozenTrial], batch: int, best: Prediction) -> bool:
         """After round 1: a batch size is worth a second model trial when its round-1 trial

@@ -22,11 +22,15 @@ from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
+    MODEL_ROUND_ATTR,
     RETRY_HISTORY,
 )
 
 # What a retry copies of the dead trial's attrs: what it is, not what it half-measured.
-_KEPT_ON_RETRY = frozenset({BASELINE_ATTR, CONFIRMATION_ATTR, CONFIRM_ROUND_ATTR})
+# A retried model trial keeps its round, so the next round waits for it.
+_KEPT_ON_RETRY = frozenset(
+    {BASELINE_ATTR, CONFIRMATION_ATTR, CONFIRM_ROUND_ATTR, MODEL_ROUND_ATTR}
+)
 
 # Warnings about what these threads do on purpose; set once, as `warnings.catch_warnings` is
 # not thread-safe and the sweeper and heartbeat threads run beside the main one.

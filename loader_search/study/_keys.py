@@ -59,6 +59,7 @@ PARAMS_ATTR = "loader_params"  # the full `LoaderParams` (Optuna's params omit f
 BASELINE_ATTR = "baseline"  # the plain loader every speedup is measured against
 CONFIRMATION_ATTR = "confirmation"  # a trial of the confirmation rounds, beyond the budget
 CONFIRM_ROUND_ATTR = "confirm_round"  # its paired round (see _confirm)
+WORKER_ATTR = "worker"  # the worker that took the trial: "host:pid"
 HARDWARE_ATTR = "hardware"  # the machine a trial ran on (a dict)
 HARDWARE_CLASS_ATTR = "hardware_class"  # its short class key
 LOADER_EFFICIENCY_ATTR = "loader_efficiency"  # throughput / ceiling

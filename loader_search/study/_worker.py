@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import socket
 import time
 import warnings
 from collections.abc import Mapping
@@ -58,6 +60,7 @@ from loader_search.study._keys import (
     PREDICTED_ATTR,
     PREDICTED_BOTTLENECK_ATTR,
     STUDY_HARDWARE_ATTR,
+    WORKER_ATTR,
 )
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._plan import plan_trial
@@ -69,6 +72,8 @@ from loader_search.trial._failures import TrialOutcome
 from loader_search.trial._job import TrialJob
 from loader_search.trial._supervisor import run_isolated
 
+MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `_hold_limit`)
+
 
 def count_finished(study: optuna.Study) -> int:
     """Finished trials that used the study's budget."""
@@ -76,7 +81,7 @@ def count_finished(study: optuna.Study) -> int:
 
 
 def _take_trial(
-    session: Session, health: Health, reporter: Reporter
+    session: Session, health: Health, reporter: Reporter, patience: Patience
 ) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
     """Under the study lock: sweep stale trials, check the hardware binding, decide on the
     budget (as stored now: `init` or `run --n-trials` elsewhere may have changed it; see
@@ -90,14 +95,18 @@ def _take_trial(
     study = session.study
     grace = session.config.workers.grace_period_s
     with study_lock(
-        session.rdb.engine, session.study_id, hold_limit_s=grace, on_lost=reporter.warning
+        session.rdb.engine,
+        session.study_id,
+        hold_limit_s=_hold_limit(session),
+        on_lost=reporter.warning,
     ):
         fail_stale_trials(study, health, grace)
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
         grid = session.config.sampler.name == "grid"
         trials = study.get_trials(deepcopy=False)
-        guide = _guide(session)
+        confirm = confirm_settings(attrs, session.config)
+        guide = _guide(session, confirm.loss_tolerance)
         # Fitted once per take: for the proposals, this trial's prediction and the snapshot.
         model = guide.model(trials) if guide is not None else None
         if guide is not None and model is not None:
@@ -105,10 +114,12 @@ def _take_trial(
         decision = decide(
             trials,
             int(attrs.get(BUDGET_ATTR, session.budget)),
-            confirm_settings(attrs, session.config),
+            confirm,
             grid_size=session.space.size() if grid else None,
             hardware_class=session.hardware.hardware_class,
             proposals=guide.proposals(trials, model) if guide is not None and not grid else (),
+            worker=worker_name(),
+            owner_silent=patience.owner_silent(),
         )
         if isinstance(decision, Done):
             return None
@@ -146,6 +157,7 @@ def _take_trial(
                     warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
                 params = session.space.suggest(trial)
             trial.set_user_attr(PARAMS_ATTR, params.as_dict())
+            trial.set_user_attr(WORKER_ATTR, worker_name())
             trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
             trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
             if model is not None:  # what the model expects, to check it once measured
@@ -162,8 +174,17 @@ def _take_trial(
     return trial, params
 
 
-def _guide(session: Session) -> Guide | None:
-    """The pipeline model for this worker's machine class, unless the config turned it off."""
+def _hold_limit(session: Session) -> float:
+    """How long this worker may stay silent while it holds the study lock before the database
+    gives the lock to the next worker (see `loader_search.team._locks`): the heartbeat grace,
+    but never so short that a slow step under the lock (a sampler on a big study, a busy
+    database) loses it."""
+    return max(float(session.config.workers.grace_period_s), MIN_HOLD_LIMIT_S)
+
+
+def _guide(session: Session, loss_tolerance: float) -> Guide | None:
+    """The pipeline model for this worker's machine class, unless the config turned it off;
+    ``loss_tolerance`` is the study's stored one, so every worker proposes alike."""
     if not session.config.sampler.model:
         return None
     hardware = session.hardware
@@ -173,7 +194,7 @@ def _guide(session: Session) -> Guide | None:
         "cuda" if cuda else "cpu",
         hardware.usable_cpus,
         hardware.hardware_class,
-        session.config.loss_tolerance,
+        loss_tolerance,
     )
 
 
@@ -215,6 +236,7 @@ def work(
     """
     interval = session.config.workers.heartbeat_interval_s
     health = Health()
+    patience = Patience(session.config.workers.grace_period_s)
     sweeper = Every(
         interval,
         lambda: _sweep(session, health),
@@ -232,6 +254,18 @@ def work(
             interrupts.check()
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            # First without the host lock, so a worker never queues behind this machine's
+            # other trials only to learn that the study is done or has nothing to take.
+            ahead = retrying(
+                lambda: _look_ahead(session, patience),
+                on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+            )
+            if isinstance(ahead, Done):
+                break
+            if isinstance(ahead, Wait):
+                patience.saw(ahead)
+                _wait_for_others(reporter, ahead, interval)
+                continue
             with host_lock(
                 session.cpus,
                 session.gpu,
@@ -241,7 +275,7 @@ def work(
                 study=session.study.study_name,
             ):
                 taken = retrying(
-                    lambda: _take_trial(session, health, reporter),
+                    lambda: _take_trial(session, health, reporter, patience),
                     on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
                 )
                 if taken is None:
@@ -251,11 +285,8 @@ def work(
                     recorded = _run_one(session, health, reporter, trial, params)
             if isinstance(taken, Wait):
                 # Outside the host lock: the trials we wait for may need this host.
-                reporter.preparing(
-                    f"budget used; waiting for {taken.running} trial(s) running elsewhere"
-                    " (a dead worker's trial is retried after the grace period)"
-                )
-                interrupts.sleep(interval)
+                patience.saw(taken)
+                _wait_for_others(reporter, taken, interval)
                 continue
             ran += 1
             if recorded.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR):
@@ -267,6 +298,61 @@ def work(
     return ran
 
 
+def _look_ahead(session: Session, patience: Patience) -> Done | Wait | None:
+    """`decide` read without any lock: `Done` or `Wait` when the study has nothing to take
+    (only more trials can change that, so it cannot be wrong in a way that loses work), else
+    None: take the next trial under the host and study locks, which decide again."""
+    attrs = session.study.user_attrs
+    decision = decide(
+        session.study.get_trials(deepcopy=False),
+        int(attrs.get(BUDGET_ATTR, session.budget)),
+        confirm_settings(attrs, session.config),
+        grid_size=session.space.size() if session.config.sampler.name == "grid" else None,
+        hardware_class=session.hardware.hardware_class,
+        worker=worker_name(),
+        owner_silent=patience.owner_silent(),
+    )
+    return decision if isinstance(decision, (Done, Wait)) else None
+
+
+class Patience:
+    """How long this worker has waited while the confirmation rounds ran on another: the same
+    last confirmation trial seen for ``grace_s`` (by this worker's own clock; workers' clocks
+    differ) means their worker fell silent, and this one takes the rounds over."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.seen: tuple[int, float] | None = None  # (last confirmation trial, first seen)
+
+    def saw(self, wait: Wait) -> None:
+        if wait.last_confirmation is None:
+            return
+        if self.seen is None or self.seen[0] != wait.last_confirmation:
+            self.seen = (wait.last_confirmation, time.monotonic())
+
+    def owner_silent(self) -> bool:
+        return self.seen is not None and time.monotonic() - self.seen[1] >= self.grace_s
+
+
+def worker_name() -> str:
+    """This worker as its trials name it (`WORKER_ATTR`): host and process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _wait_for_others(reporter: Reporter, wait: Wait, interval: float) -> None:
+    if wait.rounds_on is not None:
+        reporter.preparing(
+            f"the confirmation rounds run on worker {wait.rounds_on}, one worker per machine"
+            " class; waiting (they are taken over if it stays silent for the grace period)"
+        )
+    else:
+        reporter.preparing(
+            f"budget used; waiting for {wait.running} trial(s) running elsewhere"
+            " (a dead worker's trial is retried after the grace period)"
+        )
+    interrupts.sleep(interval)
+
+
 def _unreachable(health: Health, reporter: Reporter, exc: BaseException, pause: float) -> None:
     health.failed()
     reporter.warning(f"database unreachable ({type(exc).__name__}); retrying in {pause:.0f} s")
@@ -274,9 +360,8 @@ def _unreachable(health: Health, reporter: Reporter, exc: BaseException, pause: 
 
 def _sweep(session: Session, health: Health) -> None:
     study = session.study
-    grace = session.config.workers.grace_period_s
-    with study_lock(session.rdb.engine, session.study_id, hold_limit_s=grace):
-        fail_stale_trials(study, health, grace)
+    with study_lock(session.rdb.engine, session.study_id, hold_limit_s=_hold_limit(session)):
+        fail_stale_trials(study, health, session.config.workers.grace_period_s)
 
 
 def _run_one(
