@@ -22,6 +22,7 @@ from loader_search.study._budget import confirm_settings
 from loader_search.study._config import StudyConfig
 from loader_search.study._confirm import (
     FASTER,
+    MAX_DISTURBED,
     NO_RELIABLE_GAIN,
     ConfirmSettings,
     Remeasure,
@@ -35,6 +36,7 @@ from loader_search.study._keys import (
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     FAILURE_REASON,
+    OTHER_LOAD_ATTR,
     PARAMS_ATTR,
 )
 from loader_search.study._recommend import summarize_trials
@@ -324,3 +326,28 @@ def test_a_candidate_that_left_never_comes_back_and_the_cap_counts_the_leader() 
     # The leader's interval never narrows: the rounds stop when it has max_rounds ratios.
     rounds = max(s.round for s in asked) + 1
     assert rounds == SETTINGS.max_rounds
+
+
+def test_a_reading_beside_a_busy_neighbour_is_measured_again_a_bounded_number_of_times() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0})
+    attrs = {CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: 0}
+    # Another process kept 60% of the CPUs busy while the baseline was read: 40% low, and
+    # not counted. The same slot is asked for again.
+    add(trials, _trial(BASE, 60.0, **attrs, **{OTHER_LOAD_ATTR: 0.6}))
+    assert next_remeasure(trials, SETTINGS) == Remeasure(BASE, 0)
+    add(trials, _trial(BASE, 100.0, **attrs, **{OTHER_LOAD_ATTR: 0.02}))
+    assert next_remeasure(trials, SETTINGS) == Remeasure(FAST, 0)
+    # A machine that stays busy still ends its rounds: the third disturbed reading of a slot
+    # is taken as it is.
+    for _ in range(MAX_DISTURBED):
+        add(trials, _trial(FAST, 90.0, **attrs, **{OTHER_LOAD_ATTR: 0.9}))
+        assert next_remeasure(trials, SETTINGS) == Remeasure(FAST, 0)
+    add(trials, _trial(FAST, 91.0, **attrs, **{OTHER_LOAD_ATTR: 0.9}))
+    assert next_remeasure(trials, SETTINGS) == Remeasure(FAST, 1)
+    # What a quiet machine measures: the disturbed baseline reading is not in the speedup.
+    asked = confirm(trials, lambda p, r: {BASE: 100.0, FAST: 150.0}[p])
+    assert asked
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.paired is not None
+    ratios = [150.0 / 100.0] * (rec.paired.rounds - 1) + [91.0 / 100.0]
+    assert rec.paired.estimate == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)))

@@ -7,8 +7,11 @@ ceiling. The reuse rule itself is checked on hand-made trials whose numbers are 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,10 +24,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
 from loader_search.study._config import SamplerConfig, StudyConfig
+from loader_search.study._confirm import DISTURBED_LOAD
 from loader_search.study._keys import (
     CEILING_ATTR,
     CEILING_LOAD_ATTR,
     HARDWARE_CLASS_ATTR,
+    OTHER_LOAD_ATTR,
     PARAMS_ATTR,
     UNTRAINED_LOSS_ATTR,
     VAL_LOSS_ATTR,
@@ -47,23 +52,43 @@ PARAMS = LoaderParams(16, 1, 2, False, True, 1)
 PLUGINS = Path(__file__).parent / "plugins"
 
 
+# Starts a spinner per CPU and exits, so that the spinners are no descendants of the test
+# process (a trial counts its own process tree as its own load, not another's).
+_SPAWN_SPINNERS = """
+import subprocess, sys
+for _ in range(int(sys.argv[1])):
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # not the pipe the test reads: it would never close
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    print(spinner.pid)
+"""
+
+
 @pytest.fixture
 def busy_machine() -> Iterator[None]:
-    """Every CPU of the machine kept busy by another process for the test's duration."""
-    spinners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 1)
-    ]
+    """Every CPU of the machine kept busy by other processes for the test's duration."""
+    spawned = subprocess.run(
+        [sys.executable, "-c", _SPAWN_SPINNERS, str(os.cpu_count() or 1)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    spinners = [int(pid) for pid in spawned.stdout.split()]
     try:
         yield
     finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
+        for pid in spinners:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(machine_busy_cpu_s() is None, reason="no /proc/stat on this system")
-def test_a_ceiling_read_on_a_busy_machine_says_so(
+def test_a_ceiling_and_a_trial_read_on_a_busy_machine_say_so(
     tiny_workload: Workload, busy_machine: None
 ) -> None:
     result = run_trial(
@@ -73,6 +98,16 @@ def test_a_ceiling_read_on_a_busy_machine_says_so(
     assert result.ceiling_other_load is not None and result.ceiling_other_load > BUSY_LIMIT
     attrs = result.user_attrs()
     assert attrs[CEILING_LOAD_ATTR] == result.ceiling_other_load
+    # A trial's own window too (a confirmation reading like it is measured again): over a
+    # second or so, as /proc/stat counts in ticks of 10 ms.
+    longer = run_trial(
+        tiny_workload,
+        PARAMS,
+        dataclasses.replace(TRAINING, train_samples=4096),
+        plan=RunPlan(short_samples=2048),
+    )
+    assert longer.other_load is not None and longer.other_load > DISTURBED_LOAD
+    assert longer.user_attrs()[OTHER_LOAD_ATTR] == longer.other_load
     # A study holding that trial reads the ceiling again on the next trial of the pair.
     trial = _trial(
         result.throughput_samples_per_s,

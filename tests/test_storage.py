@@ -1,20 +1,28 @@
 from __future__ import annotations
 
+import os
 import sqlite3
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy
+from sqlalchemy.engine import make_url
 
 from loader_search.errors import UserError
+from loader_search.team import _storage as storage_module
 from loader_search.team._storage import (
     DEFAULT_STORAGE,
     STORAGE_ENV,
+    is_busy,
     mask_url,
     open_storage,
+    outage,
     resolve_storage_url,
 )
-from tests.conftest import MARIADB_URL, POSTGRES_URL, require_database
+from tests.conftest import MARIADB_URL, POSTGRES_URL, require_database, scratch_database
 
 
 def test_url_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,3 +135,76 @@ def test_runs_creating_one_new_study_at_once_all_continue_it(backend: str, tmp_p
                 _, stderr = process.communicate(timeout=120)
                 assert process.returncode == 0, stderr
             assert optuna.study.get_all_study_names(url) == ["tiny"]
+
+
+@pytest.fixture
+def crowded_postgres() -> Iterator[tuple[str, list[sqlalchemy.Connection]]]:
+    """A database whose role may hold 2 connections, both taken: the server refuses a third
+    ("too many connections for role"), as PostgreSQL refuses everyone past max_connections."""
+    require_database(POSTGRES_URL)
+    role = f"ls_busy_{os.getpid()}"
+    with scratch_database(POSTGRES_URL) as url:
+        admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT")
+        database = make_url(url).database
+        with admin.connect() as connection:
+            connection.execute(sqlalchemy.text(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 2"))
+            connection.execute(sqlalchemy.text(f"ALTER DATABASE {database} OWNER TO {role}"))
+        limited = make_url(url).set(username=role).render_as_string(hide_password=False)
+        engine = sqlalchemy.create_engine(limited, poolclass=sqlalchemy.pool.NullPool)
+        held = [engine.connect(), engine.connect()]
+        try:
+            yield limited, held
+        finally:
+            for connection in held:
+                connection.close()
+            engine.dispose()
+            with admin.connect() as connection:
+                connection.execute(sqlalchemy.text(f"ALTER DATABASE {database} OWNER TO postgres"))
+            with admin.connect() as connection:
+                connection.execute(sqlalchemy.text(f"DROP OWNED BY {role}"))
+                connection.execute(sqlalchemy.text(f"DROP ROLE {role}"))
+            admin.dispose()
+
+
+def test_a_server_with_too_many_connections_is_tried_again_until_it_has_room(
+    crowded_postgres: tuple[str, list[sqlalchemy.Connection]],
+) -> None:
+    url, held = crowded_postgres
+    told: list[str] = []
+    threading.Timer(2.0, lambda: [c.close() for c in held]).start()
+    storage = open_storage(url, on_busy=told.append)  # a worker starting beside 100 others
+    assert isinstance(storage, optuna.storages.RDBStorage)
+    assert told, "it waited for room and said so"
+    assert "is busy (OperationalError: " in told[0] and "too many connections" in told[0]
+    assert "trying again in 0.5 s" in told[0]
+
+
+def test_a_server_that_stays_full_is_one_line_naming_the_limit(
+    crowded_postgres: tuple[str, list[sqlalchemy.Connection]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = crowded_postgres
+    monkeypatch.setattr(storage_module, "BUSY_WAIT_S", 1.0)
+    with pytest.raises(UserError) as refused:
+        open_storage(url)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "refused the connection for 1 s" in message and "too many connections" in message
+    assert "max_connections" in message
+
+
+def test_busy_and_outage_read_the_drivers_error_under_the_wrappers() -> None:
+    import pymysql
+
+    full = sqlalchemy.exc.OperationalError(
+        "SELECT 1", {}, pymysql.err.OperationalError(1040, "Too many connections")
+    )
+    wrapped = optuna.exceptions.StorageInternalError("invalid data in the commit")
+    wrapped.__cause__ = full
+    assert is_busy(full) and is_busy(wrapped)
+    assert outage(wrapped, "mysql+pymysql://u:s3cret-pass@h/db") == (
+        "OperationalError: (1040, 'Too many connections')"
+    )
+    refused = sqlalchemy.exc.OperationalError(
+        "SELECT 1", {}, pymysql.err.OperationalError(1045, "Access denied")
+    )
+    assert not is_busy(refused)

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from loader_search.errors import StudyAborted, UserError
-from loader_search.team._storage import scrub_urls
+from loader_search.team._storage import describe_driver_error, is_transient, scrub_urls
 
 if TYPE_CHECKING:
     from loader_search.cli._doctor import Check
@@ -74,8 +74,12 @@ def reports_errors(command: F) -> F:
             raise
         except Exception as exc:
             # Not a known case (a database down for longer than the retries, say): still one
-            # line, without any password; --debug shows where it came from.
-            line = scrub_urls(f"{type(exc).__name__}: {str(exc).strip()}".splitlines()[0])
+            # line, without any password; --debug shows where it came from. A database error
+            # is what the database said, not what a wrapper made of it.
+            if is_transient(exc):
+                line = scrub_urls(f"database unreachable: {describe_driver_error(exc)}")
+            else:
+                line = scrub_urls(f"{type(exc).__name__}: {str(exc).strip()}".splitlines()[0])
             _print_error(f"{line} (run with --debug for the traceback)")
             raise typer.Exit(1) from None
 

@@ -16,7 +16,10 @@ before one that may not be, then the one with the higher estimate. Its interval 
 having been chosen among up to ``top`` candidates: the benchmarks measure how often it
 covers a side-by-side measurement (``python -m benchmarks claims``). A candidate whose
 interval lies wholly below the leader's (after ``min_rounds``), or whose trial failed
-`MAX_FAILURES` times, leaves the rounds for good.
+`MAX_FAILURES` times, leaves the rounds for good. A reading taken while other processes kept
+more than `DISTURBED_LOAD` of the trial's CPUs busy (``other_load``, measured over its window)
+is not a fair one: it is measured again, up to `MAX_DISTURBED` times per slot, then taken as
+it is (a machine that is always busy still ends its rounds).
 
 The verdict is "faster" when the interval's lower end is above 1, else "no_reliable_gain":
 at this noise level no setting is reliably faster than the baseline.
@@ -39,6 +42,7 @@ from loader_search.params import LoaderParams
 from loader_search.study._keys import (
     CONFIRM_ROUND_ATTR,
     FAILURE_REASON,
+    OTHER_LOAD_ATTR,
     WORKER_ATTR,
     is_confirmation,
     stored_params,
@@ -51,6 +55,10 @@ Verdict = Literal["faster", "no_reliable_gain"]
 FASTER: Verdict = "faster"
 NO_RELIABLE_GAIN: Verdict = "no_reliable_gain"
 MAX_FAILURES = 2  # a setting whose re-measurement failed this often leaves the rounds
+# A reading beside a neighbour that kept this share of the trial's CPUs busy is measured again
+# (the ceiling's threshold too: loader_search.study._plan.BUSY_LIMIT), at most this often.
+DISTURBED_LOAD = 0.25
+MAX_DISTURBED = 2
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; beyond the table
 # the next smaller listed degree's value is used, which is slightly wider (conservative).
@@ -192,16 +200,22 @@ def measured_rounds(
     trials: Sequence[FrozenTrial], hardware_class: str | None = None
 ) -> dict[int, dict[LoaderParams, float | None]]:
     """Round -> settings -> the throughput its finished trial measured (None: it failed on
-    its own, was infeasible, or measured nothing). Trials still running, interrupted ones and
-    those of a dead worker are left out."""
+    its own, was infeasible, or measured nothing). Trials still running, interrupted ones,
+    those of a dead worker and disturbed readings (see the module docstring) are left out."""
     measured: dict[int, dict[LoaderParams, float | None]] = {}
-    for trial in trials:
+    disturbed: dict[tuple[int, LoaderParams], int] = {}
+    for trial in sorted(trials, key=lambda t: t.number):
         number = trial.user_attrs.get(CONFIRM_ROUND_ATTR)
         params = stored_params(trial)
         if isinstance(number, bool) or not isinstance(number, int) or params is None:
             continue
         if hardware_class is not None and trial_hardware_class(trial) != hardware_class:
             continue
+        if trial.state == TrialState.COMPLETE and _disturbed(trial):
+            tries = disturbed.get((number, params), 0)
+            if tries < MAX_DISTURBED:
+                disturbed[number, params] = tries + 1
+                continue  # measured again
         if trial.state == TrialState.COMPLETE:
             value = trial.values[0] if is_feasible(trial) and trial.values else 0.0
             measured.setdefault(number, {})[params] = value if value > 0 else None
@@ -213,6 +227,11 @@ def measured_rounds(
             # reason: its retry keeps the round); the slot is measured again.
             measured.setdefault(number, {})[params] = None
     return measured
+
+
+def _disturbed(trial: FrozenTrial) -> bool:
+    load = trial.user_attrs.get(OTHER_LOAD_ATTR)
+    return isinstance(load, (int, float)) and load > DISTURBED_LOAD
 
 
 def paired_speedups(

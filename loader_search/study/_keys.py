@@ -70,6 +70,7 @@ CEILING_ATTR = "ceiling_samples_per_s"  # the same model fed pre-decoded data on
 CEILING_FROM = "ceiling_from"  # the trials whose ceiling reading it reuses
 UNTRAINED_LOSS_ATTR = "untrained_loss"  # the first batch's loss, before any step
 CEILING_LOAD_ATTR = "ceiling_other_load"  # share of the CPUs others used during the reading
+OTHER_LOAD_ATTR = "other_load"  # ... and during the trial's throughput window
 DATA_WAIT = "data_wait_fraction"
 PEAK_RSS = "peak_host_rss_bytes"
 PEAK_GPU = "peak_gpu_bytes"

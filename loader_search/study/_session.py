@@ -14,7 +14,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -313,7 +313,7 @@ def prepare_session(
             raise TypeError("prepare_session: a joining worker keeps the study's budget")
         url = resolve_storage_url(storage)
         reporter.preparing(f"opening storage {mask_url(url)}")
-        existing = open_existing_study(join, url)
+        existing = open_existing_study(join, url, on_busy=reporter.warning)
         if config is None:
             config = stored_config(existing.study)
             if workload is None:
@@ -352,6 +352,7 @@ def prepare_session(
         must_exist=existing is not None,
         workers=config.workers,
         on_stale=RetryStaleTrial(config.workers.max_retry),
+        on_busy=reporter.warning,
     )
     if existing is None:
         name = config.name or DEFAULT_STUDY_NAME
@@ -428,15 +429,20 @@ class ExistingStudy:
 
 
 def open_existing_study(
-    name: str, storage: str | None = None, *, loss_tolerance: float | None = None
+    name: str,
+    storage: str | None = None,
+    *,
+    loss_tolerance: float | None = None,
+    on_busy: Callable[[str], None] | None = None,
 ) -> ExistingStudy:
     """Open the existing loader-search study ``name`` at the URL ``storage`` (``None``: the
     default, see `resolve_storage_url`); `UserError` (one line) when there is no such study
-    (naming the ones there are) or the study is not a loader-search one."""
+    (naming the ones there are) or the study is not a loader-search one. ``on_busy`` hears
+    of each wait for a server that refuses connections for now (see `open_storage`)."""
     if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
         raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
     url = resolve_storage_url(storage)
-    opened, shown = open_storage(url, must_exist=True), mask_url(url)
+    opened, shown = open_storage(url, must_exist=True, on_busy=on_busy), mask_url(url)
     names = optuna.study.get_all_study_names(opened)
     if name not in names:
         known = ", ".join(names) if names else "none"

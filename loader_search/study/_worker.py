@@ -67,7 +67,7 @@ from loader_search.study._plan import plan_trial
 from loader_search.study._points import is_feasible
 from loader_search.study._record import Recorded, known_failure, record, record_interrupted
 from loader_search.team._locks import host_lock, study_lock
-from loader_search.team._storage import retrying
+from loader_search.team._storage import outage, retrying
 from loader_search.trial._failures import TrialOutcome
 from loader_search.trial._job import TrialJob
 from loader_search.trial._supervisor import run_isolated
@@ -258,7 +258,7 @@ def work(
             # other trials only to learn that the study is done or has nothing to take.
             ahead = retrying(
                 lambda: _look_ahead(session, patience),
-                on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+                on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
             )
             if isinstance(ahead, Done):
                 break
@@ -276,7 +276,9 @@ def work(
             ):
                 taken = retrying(
                     lambda: _take_trial(session, health, reporter, patience),
-                    on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+                    on_retry=lambda exc, pause: _unreachable(
+                        session, health, reporter, exc, pause
+                    ),
                 )
                 if taken is None:
                     break
@@ -353,9 +355,12 @@ def _wait_for_others(reporter: Reporter, wait: Wait, interval: float) -> None:
     interrupts.sleep(interval)
 
 
-def _unreachable(health: Health, reporter: Reporter, exc: BaseException, pause: float) -> None:
+def _unreachable(
+    session: Session, health: Health, reporter: Reporter, exc: BaseException, pause: float
+) -> None:
     health.failed()
-    reporter.warning(f"database unreachable ({type(exc).__name__}); retrying in {pause:.0f} s")
+    said = outage(exc, session.rdb.url)
+    reporter.warning(f"database unreachable ({said}); retrying in {pause:.0f} s")
 
 
 def _sweep(session: Session, health: Health) -> None:
@@ -386,7 +391,7 @@ def _run_one(
         ended = (TrialState.COMPLETE, TrialState.FAIL)
         trials = retrying(
             lambda: study.get_trials(deepcopy=False, states=ended),
-            on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+            on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
         )
         inferred = known_failure(trials, params, session.hardware.hardware_class)
         reuse = plan_trial(
@@ -416,7 +421,7 @@ def _run_one(
             outcome,
             reuse=reuse,
             inferred_from=inferred[1] if inferred else None,
-            on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+            on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
         )
     except KeyboardInterrupt:
         # Whenever Ctrl-C lands (before, during or after the training), the trial ends
@@ -427,7 +432,7 @@ def _run_one(
         heartbeat.stop()
     event = retrying(
         lambda: _event(session, trial, params, recorded, started),
-        on_retry=lambda exc, pause: _unreachable(health, reporter, exc, pause),
+        on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
     )
     reporter.trial_finished(event)
     return recorded

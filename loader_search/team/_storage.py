@@ -133,6 +133,7 @@ def open_storage(
     must_exist: bool = False,
     workers: WorkersSettings | None = None,
     on_stale: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
+    on_busy: Callable[[str], None] | None = None,
 ) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage for ``url``, creating the schema if the database is empty.
 
@@ -142,7 +143,9 @@ def open_storage(
     stale (default: Optuna's retry, ``workers.max_retry`` times). Every failure a user can fix
     (malformed URL, missing driver, unreachable server, wrong credentials, a file that is
     not a database, a schema of another Optuna version) becomes a one-line `UserError` that
-    shows the URL masked.
+    shows the URL masked. A server that refuses for now (too many connections, starting up:
+    `is_busy`) is tried again with back-off for up to `BUSY_WAIT_S`, each wait told to
+    ``on_busy``.
     """
     import optuna
 
@@ -179,8 +182,37 @@ def open_storage(
             "heartbeat_stale_trial_callback": on_stale
             or optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=workers.max_retry),
         }
+    give_up = time.monotonic() + BUSY_WAIT_S
+    pause = 0.5
+    while True:
+        try:
+            return _open(url, shown, parsed, must_exist, engine_kwargs, heartbeat_kwargs)
+        except UserError:
+            raise
+        except Exception as exc:
+            if not is_busy(exc) or time.monotonic() + pause > give_up:
+                raise _open_error(exc, url, shown) from None
+            if on_busy is not None:
+                said = outage(exc, url)
+                on_busy(f"storage {shown} is busy ({said}); trying again in {pause:.1f} s")
+            interrupts.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+def _open(
+    url: str,
+    shown: str,
+    parsed: URL,
+    must_exist: bool,
+    engine_kwargs: dict[str, Any],
+    heartbeat_kwargs: dict[str, Any],
+) -> optuna.storages.RDBStorage:
+    """`open_storage` once: its errors as a user can fix them, but a busy server's as they
+    are (the caller tries again)."""
+    import optuna
+
     try:
-        if must_exist and backend != "sqlite":
+        if must_exist and parsed.get_backend_name() != "sqlite":
             # Before Optuna opens it: on a database without its tables, RDBStorage fails
             # with a misleading "invalid data in the commit".
             _check_schema(url, shown)
@@ -213,11 +245,19 @@ def open_storage(
     except UserError:
         raise
     except Exception as exc:
+        if is_busy(exc):
+            raise
         raise _open_error(exc, url, shown) from None
 
 
 def _open_error(exc: Exception, url: str, shown: str) -> UserError:
     """The one-line message for a storage that cannot be opened."""
+    if is_busy(exc):
+        return UserError(
+            f"storage {shown} refused the connection for {BUSY_WAIT_S:.0f} s: {outage(exc, url)};"
+            " raise the server's connection limit (PostgreSQL max_connections, MySQL"
+            " max_connections) or run fewer workers, or wait for it to finish starting"
+        )
     if is_transient(exc):
         # Optuna wraps errors raised at commit: the driver's own message is the cause's.
         cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
@@ -279,6 +319,60 @@ def _lost_schema_race(exc: BaseException) -> bool:
     return isinstance(cause, sqlalchemy.exc.DBAPIError) and (
         "already exists" in text or "duplicate" in text
     )
+
+
+# A server that refuses new connections for now: too many of them, or still starting up.
+BUSY_WAIT_S = 60.0  # how long `open_storage` keeps trying such a server
+_BUSY_SQLSTATES = frozenset({"53300", "57P03"})  # too_many_connections, cannot_connect_now
+_BUSY_MYSQL_ERRORS = frozenset({1040, 1203, 1226})  # too many connections, per-user limits
+
+
+# What PostgreSQL says then, for errors at connect time, which psycopg raises without a
+# SQLSTATE.
+_BUSY_WORDS = (
+    "too many connections",
+    "too many clients",
+    "the database system is starting up",
+    "the database system is not yet accepting connections",
+)
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Whether the server refused for now: too many connections, or it is starting up."""
+    cause = _driver_error(exc)
+    if getattr(cause, "sqlstate", None) in _BUSY_SQLSTATES:
+        return True
+    if isinstance(exc, sqlalchemy.exc.OperationalError) or isinstance(
+        exc.__cause__, sqlalchemy.exc.OperationalError
+    ):
+        text = str(cause).lower()
+        if any(words in text for words in _BUSY_WORDS):
+            return True
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] in _BUSY_MYSQL_ERRORS
+
+
+def outage(exc: BaseException, url: str) -> str:
+    """What the database at ``url`` said, in one line and with its password masked: the
+    driver's error, not a wrapper's (Optuna reports any error at commit as "invalid data in
+    the commit, e.g. exceeding max length")."""
+    return _mask_in(describe_driver_error(exc), url)
+
+
+def describe_driver_error(exc: BaseException) -> str:
+    """`outage` where the URL is unknown (mask URLs in it with `scrub_urls`)."""
+    cause = _driver_error(exc)
+    return f"{type(cause).__name__}: {_first_line(cause)}"
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    """The driver's own exception under Optuna's and SQLAlchemy's wrappers."""
+    from optuna.exceptions import StorageInternalError
+
+    if isinstance(exc, StorageInternalError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, BaseException) else exc
 
 
 def is_transient(exc: BaseException) -> bool:

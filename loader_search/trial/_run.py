@@ -118,6 +118,9 @@ class TrialResult:
     main_cpu_s_per_batch: float | None = None
     cpu_used_cores: float | None = None
     cpus_available: int | None = None
+    # The share of its CPUs other processes kept busy over the same window: a confirmation
+    # reading taken beside a busy neighbour is measured again (see loader_search.study._confirm).
+    other_load: float | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -265,6 +268,7 @@ def run_trial(
         collate_cpu_s_per_batch=window_costs.collate_cpu_s_per_batch,
         main_cpu_s_per_batch=window_costs.main_cpu_s_per_batch,
         cpu_used_cores=window_costs.cpu_used,
+        other_load=window_costs.other_load,
         cpus_available=window_costs.cpus_available,
     )
 

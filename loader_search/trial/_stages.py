@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import psutil
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from loader_search.trial._system import affinity_cpus, machine_busy_cpu_s
+
 # CPU seconds the current process has spent fetching samples since its last collate: each
 # loader worker (a process of its own) and the training process (num_workers=0) keep their own.
 _pending = [0.0, 0]
@@ -124,6 +126,9 @@ class StageCosts:
     main_cpu_s_per_batch: float | None
     cpu_used: float | None  # CPU seconds per second: cores busy on average
     cpus_available: int
+    # The share of the CPUs this trial may use that other processes kept busy meanwhile (0:
+    # none, 1: all of them): a reading taken beside a busy neighbour is not a fair one.
+    other_load: float | None = None
 
 
 class StageMeter:
@@ -138,11 +143,14 @@ class StageMeter:
         self._cpus = cpus_available
         self._process = psutil.Process(os.getpid())
         self._open_at: tuple[float, float] | None = None
+        self._affinity = affinity_cpus()
+        self._machine_at: float | None = None
         self._fetch = self._collate = self._main = 0.0
         self._samples = self._batches = 0
 
     def open(self) -> None:
         self._open_at = (time.perf_counter(), _tree_cpu_s(self._process))
+        self._machine_at = machine_busy_cpu_s(self._affinity)
 
     @property
     def is_open(self) -> bool:
@@ -167,12 +175,18 @@ class StageMeter:
             self._main += copy_cpu_s
 
     def snapshot(self) -> StageCosts:
-        cpu_used = None
+        cpu_used = other_load = None
         if self._open_at is not None:
             opened, cpu_then = self._open_at
             elapsed = time.perf_counter() - opened
+            machine = machine_busy_cpu_s(self._affinity)
             if elapsed > 0:
-                cpu_used = (_tree_cpu_s(self._process) - cpu_then) / elapsed
+                ours = _tree_cpu_s(self._process) - cpu_then
+                cpu_used = ours / elapsed
+                if machine is not None and self._machine_at is not None:
+                    cpus = len(self._affinity) if self._affinity else os.cpu_count() or 1
+                    others = machine - self._machine_at - ours
+                    other_load = min(1.0, max(0.0, others / (elapsed * cpus)))
         batches, samples = self._batches, self._samples
         return StageCosts(
             producer_cpu_s_per_sample=self._fetch / samples if samples else None,
@@ -180,4 +194,5 @@ class StageMeter:
             main_cpu_s_per_batch=self._main / batches if batches else None,
             cpu_used=cpu_used,
             cpus_available=self._cpus,
+            other_load=other_load,
         )

@@ -196,6 +196,11 @@ def machine_busy_cpu_s(
     return busy / ticks if found == len(wanted) else None
 
 
+def affinity_cpus() -> list[int] | None:
+    """The CPUs this process may run on (None where the platform cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 class OtherLoad:
     """How busy the rest of the machine was, on the CPUs this process may run on, over a
     stretch of its work: the CPU seconds other processes used there, as a share of those
@@ -203,7 +208,7 @@ class OtherLoad:
     it, do the work, read `share`."""
 
     def __init__(self) -> None:
-        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self._cpus = affinity_cpus()
         self._busy = machine_busy_cpu_s(self._cpus)
         self._own = time.process_time()
         self._wall = time.perf_counter()
