@@ -1,4 +1,4 @@
-"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,all} [--quick]``.
+"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,scale,all} [--quick]``.
 
 See benchmarks/README.md.
 """
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import claims, ground_truth, model, replay, resolve, speedup
+from benchmarks import claims, ground_truth, model, replay, resolve, scale, speedup
 from loader_search.study._config import load_config
 from loader_search.study._points import TrialPoint, pareto_front
 from loader_search.trial._system import cpu_model, usable_cpus
@@ -458,10 +458,35 @@ def speedup_section(result: dict[str, Any]) -> str:
     )
 
 
+def scale_section(rows: list[dict[str, Any]]) -> str:
+    return _table(
+        rows,
+        [
+            ("backend", "backend", ""),
+            ("workers", "workers", ""),
+            ("idle_connections", "idle conns", ""),
+            ("trials", "trials", ""),
+            ("p50_ms", "coordination p50 ms", ",.0f"),
+            ("p95_ms", "p95 ms", ",.0f"),
+            ("max_ms", "max ms", ",.0f"),
+            ("lock_hold_p50_ms", "lock hold p50 ms", ",.1f"),
+            ("lock_hold_p95_ms", "lock hold p95 ms", ",.1f"),
+            ("capacity_trials_per_s", "capacity trials/s", ",.1f"),
+            ("trials_per_s", "study trials/s", ",.1f"),
+            ("connections_per_worker", "conns/worker", ".2f"),
+            ("errors", "errors", ""),
+            ("lost", "lost", ""),
+            ("duplicates", "dup", ""),
+            ("over_budget", "over budget", ""),
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument(
-        "command", choices=["ground-truth", "resolve", "replay", "speedup", "claims", "all"]
+        "command",
+        choices=["ground-truth", "resolve", "replay", "speedup", "claims", "scale", "all"],
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it works")
     parser.add_argument("--repeats", type=int, default=3, help="ground truth: trials per config")
@@ -491,6 +516,22 @@ def main(argv: list[str] | None = None) -> None:
         help="speedup: the study config (default: studies/quickstart.toml)",
     )
     parser.add_argument(
+        "--backends",
+        default="postgresql,mariadb",
+        help="scale: database servers, comma-separated (postgresql, mariadb)",
+    )
+    parser.add_argument(
+        "--workers",
+        default=",".join(str(n) for n in scale.WORKERS),
+        help="scale: team sizes, comma-separated",
+    )
+    parser.add_argument(
+        "--idle-beside",
+        type=int,
+        default=31,
+        help="scale: one worker beside this many idle connections (0: no such run)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -504,6 +545,19 @@ def main(argv: list[str] | None = None) -> None:
     out: Path = args.out or (DATA if not args.quick else Path(tempfile.mkdtemp(prefix="bench-")))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    if args.command == "scale":  # its own file: a list of rows (issue 14's shape)
+        rows = scale.run(
+            out / ("scale_quick.json" if args.quick else "scale.json"),
+            backends=args.backends.split(","),
+            workers=[int(n) for n in args.workers.split(",")],
+            quick=args.quick,
+            idle_beside=args.idle_beside,
+        )
+        report = f"Measured on: {machine()}\n\n{scale_section(rows)}\n"
+        (out / ("scale_quick.md" if args.quick else "scale.md")).write_text(report)
+        print(report)
+        print(f"(results in {out}; {time.perf_counter() - started:.0f} s)")
+        return
     sections: list[str] = [
         f"Measured on: {machine()}" + (" (--quick: sizes, not timings)" if args.quick else "")
     ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import time
@@ -66,6 +67,7 @@ from loader_search.study._machine import hardware_mismatch
 from loader_search.study._plan import plan_trial
 from loader_search.study._points import is_feasible
 from loader_search.study._record import Recorded, known_failure, record, record_interrupted
+from loader_search.study._timings import Clock
 from loader_search.team._locks import host_lock, study_lock
 from loader_search.team._storage import outage, retrying
 from loader_search.trial._failures import TrialOutcome
@@ -81,7 +83,7 @@ def count_finished(study: optuna.Study) -> int:
 
 
 def _take_trial(
-    session: Session, health: Health, reporter: Reporter, patience: Patience
+    session: Session, health: Health, reporter: Reporter, patience: Patience, clock: Clock
 ) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
     """Under the study lock: sweep stale trials, check the hardware binding, decide on the
     budget (as stored now: `init` or `run --n-trials` elsewhere may have changed it; see
@@ -94,11 +96,13 @@ def _take_trial(
     """
     study = session.study
     grace = session.config.workers.grace_period_s
-    with study_lock(
-        session.rdb.engine,
-        session.study_id,
-        hold_limit_s=_hold_limit(session),
-        on_lost=reporter.warning,
+    with clock.lock(
+        study_lock(
+            session.rdb.engine,
+            session.study_id,
+            hold_limit_s=_hold_limit(session),
+            on_lost=reporter.warning,
+        )
     ):
         fail_stale_trials(study, health, grace)
         attrs = study.user_attrs
@@ -254,43 +258,52 @@ def work(
             interrupts.check()
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            clock = Clock()
             # First without the host lock, so a worker never queues behind this machine's
             # other trials only to learn that the study is done or has nothing to take.
-            ahead = retrying(
-                lambda: _look_ahead(session, patience),
-                on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
-            )
+            with clock.part("look_ahead"):
+                ahead = retrying(
+                    lambda: _look_ahead(session, patience),
+                    on_retry=lambda exc, pause: _unreachable(
+                        session, health, reporter, exc, pause
+                    ),
+                )
             if isinstance(ahead, Done):
                 break
             if isinstance(ahead, Wait):
                 patience.saw(ahead)
                 _wait_for_others(reporter, ahead, interval)
                 continue
-            with host_lock(
-                session.cpus,
-                session.gpu,
-                on_wait=lambda holder: reporter.preparing(
-                    f"waiting for the host lock held by {holder}"
-                ),
-                study=session.study.study_name,
-            ):
-                taken = retrying(
-                    lambda: _take_trial(session, health, reporter, patience),
-                    on_retry=lambda exc, pause: _unreachable(
-                        session, health, reporter, exc, pause
+            with clock.lock(
+                host_lock(
+                    session.cpus,
+                    session.gpu,
+                    on_wait=lambda holder: reporter.preparing(
+                        f"waiting for the host lock held by {holder}"
                     ),
-                )
+                    study=session.study.study_name,
+                ),
+                name="host",
+            ):
+                with clock.part("take"):
+                    taken = retrying(
+                        functools.partial(_take_trial, session, health, reporter, patience, clock),
+                        on_retry=lambda exc, pause: _unreachable(
+                            session, health, reporter, exc, pause
+                        ),
+                    )
                 if taken is None:
                     break
                 if not isinstance(taken, Wait):
                     trial, params = taken
-                    recorded = _run_one(session, health, reporter, trial, params)
+                    recorded = _run_one(session, health, reporter, trial, params, clock)
             if isinstance(taken, Wait):
                 # Outside the host lock: the trials we wait for may need this host.
                 patience.saw(taken)
                 _wait_for_others(reporter, taken, interval)
                 continue
             ran += 1
+            clock.write(study=session.study.study_name, trial=trial.number)
             if recorded.state == TrialState.FAIL and trial.user_attrs.get(BASELINE_ATTR):
                 message = recorded.failure.message if recorded.failure else "failed"
                 raise StudyAborted(
@@ -375,6 +388,7 @@ def _run_one(
     reporter: Reporter,
     trial: optuna.Trial,
     params: LoaderParams,
+    clock: Clock,
 ) -> Recorded:
     study = session.study
     heartbeat = Every(
@@ -408,21 +422,23 @@ def _run_one(
             job = TrialJob(
                 session.workload, params, session.config.training, session.device, plan=reuse.plan
             )
-            outcome = run_isolated(job, limits=session.config.limits)
+            with clock.part("job"):
+                outcome = run_isolated(job, limits=session.config.limits)
         if outcome.failure and outcome.failure.infeasible and trial.user_attrs.get(BASELINE_ATTR):
             # The plainest loader does not train (it diverged or ran out of memory): that is
             # no region for the sampler to avoid but a broken workload; the study stops.
             outcome = dataclasses.replace(
                 outcome, failure=dataclasses.replace(outcome.failure, infeasible=False)
             )
-        recorded = record(
-            study,
-            trial,
-            outcome,
-            reuse=reuse,
-            inferred_from=inferred[1] if inferred else None,
-            on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
-        )
+        with clock.part("record"):
+            recorded = record(
+                study,
+                trial,
+                outcome,
+                reuse=reuse,
+                inferred_from=inferred[1] if inferred else None,
+                on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
+            )
     except KeyboardInterrupt:
         # Whenever Ctrl-C lands (before, during or after the training), the trial ends
         # interrupted; if its outcome was already stored, this changes nothing.
@@ -430,10 +446,11 @@ def _run_one(
         raise
     finally:
         heartbeat.stop()
-    event = retrying(
-        lambda: _event(session, trial, params, recorded, started),
-        on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
-    )
+    with clock.part("event"):
+        event = retrying(
+            lambda: _event(session, trial, params, recorded, started),
+            on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
+        )
     reporter.trial_finished(event)
     return recorded
 
