@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loader_search.study._recommend import hypervolume_2d
-from tests.conftest import ROOT
+from tests.conftest import ROOT, require_database
 
 
 def test_hypervolume_2d_of_a_hand_made_front() -> None:
@@ -150,3 +150,24 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     cost = speedup["cost"]
     assert cost["trials"] >= 6 and cost["train_s"] > 0
     assert cost["study_wall_s"] >= cost["train_s"] + cost["eval_s"]
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_scale_run_of_real_workers_on_a_real_server(backend: str, tmp_path: Path) -> None:
+    """Two real `worker` processes share a 6-trial study: every trial is taken once, each
+    worker's timings land in the file, and no worker holds more than 2 connections."""
+    from benchmarks import scale
+
+    require_database(scale.SERVERS[backend])
+    row = scale.one_run(backend, 2, 6, tmp_path)
+    assert row["trials"] == 6 and row["budget"] == 6
+    assert row["errors"] == 0 and row["failed_workers"] == 0
+    assert row["lost"] == 0 and row["duplicates"] == 0 and row["over_budget"] == 0
+    assert 0 < row["connections_per_worker"] <= 2
+    lines = (tmp_path / f"timings-{backend}-2.jsonl").read_text().splitlines()
+    timings = [json.loads(line) for line in lines]
+    assert sorted(t["trial"] for t in timings) == list(range(6))
+    for t in timings:
+        assert 0 < t["coordination_ms"] < t["total_ms"]
+        assert t["lock_hold_ms"] > 0 and t["job_ms"] > 0 and t["record_ms"] > 0
+    assert row["p50_ms"] is not None and row["p50_ms"] <= row["p95_ms"] <= row["max_ms"]

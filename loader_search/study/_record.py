@@ -41,6 +41,7 @@ from loader_search.study._keys import (
     stored_params,
 )
 from loader_search.study._plan import Reuse
+from loader_search.study._trials import write_user_attrs
 from loader_search.team._storage import retrying
 from loader_search.trial._failures import INTERRUPTED, TrialFailure, TrialOutcome
 
@@ -141,45 +142,43 @@ def _record(
     retry_s: float,
     on_retry: Callable[[BaseException, float], None] | None,
 ) -> Recorded:
-    def write(key: str, value: object) -> None:
-        retrying(lambda: trial.set_user_attr(key, value), deadline_s=retry_s, on_retry=on_retry)
-
     failure = outcome.failure
     result = outcome.result
     val_loss = None
     val_loss_from: tuple[int, ...] = ()
     efficiency = None
+    attrs: dict[str, object] = {}  # written in one transaction (see `write_user_attrs`)
     if result is not None:
-        for key, value in result.user_attrs().items():
-            write(key, value)
+        attrs.update(result.user_attrs())
         val_loss = result.val_loss
         if val_loss is None:  # stopped early: the validation loss known for its batch size
             if reuse is None or reuse.val_loss is None:
                 raise ValueError(f"trial #{trial.number} stopped early with no val_loss to reuse")
             val_loss, val_loss_from = reuse.val_loss, reuse.val_loss_from
-            write(VAL_LOSS_FROM, list(val_loss_from))
+            attrs[VAL_LOSS_FROM] = list(val_loss_from)
         ceiling = result.ceiling_samples_per_s
         if ceiling is None and reuse is not None and reuse.ceiling is not None:
             ceiling = reuse.ceiling
-            write(CEILING_FROM, list(reuse.ceiling_from))
+            attrs[CEILING_FROM] = list(reuse.ceiling_from)
         if ceiling:
             efficiency = result.throughput_samples_per_s / ceiling
-            write(LOADER_EFFICIENCY_ATTR, efficiency)
+            attrs[LOADER_EFFICIENCY_ATTR] = efficiency
         predicted = trial.user_attrs.get(PREDICTED_ATTR)
         if isinstance(predicted, float) and predicted > 0 and failure is None:
             # How far the pipeline model was off (see loader_search.study._guide).
-            write(PREDICTION_ERROR_ATTR, result.throughput_samples_per_s / predicted - 1)
-    write("trial_wall_time_s", outcome.wall_s)
+            attrs[PREDICTION_ERROR_ATTR] = result.throughput_samples_per_s / predicted - 1
+    attrs["trial_wall_time_s"] = outcome.wall_s
     if outcome.isolated and outcome.wall_s > 0:
-        write("isolation_overhead_s", outcome.overhead_s)  # fork, result transfer, teardown
+        attrs["isolation_overhead_s"] = outcome.overhead_s  # fork, result transfer, teardown
     if failure is not None:
-        write(FAILURE_REASON, failure.reason)
-        write(FAILURE_MESSAGE, failure.message[:2000])
-        write(FAILURE_HINT, failure.hint)
+        attrs[FAILURE_REASON] = failure.reason
+        attrs[FAILURE_MESSAGE] = failure.message[:2000]
+        attrs[FAILURE_HINT] = failure.hint
         if failure.traceback:
-            write(FAILURE_TRACEBACK, failure.traceback[-4000:])
+            attrs[FAILURE_TRACEBACK] = failure.traceback[-4000:]
         if inferred_from is not None:
-            write(INFERRED_FROM, inferred_from)
+            attrs[INFERRED_FROM] = inferred_from
+    retrying(lambda: write_user_attrs(trial, attrs), deadline_s=retry_s, on_retry=on_retry)
     if failure is None or failure.infeasible:
         infeasible = failure is not None
         _set_constraint(trial, 1.0 if infeasible else 0.0, retry_s, on_retry)

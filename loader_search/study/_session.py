@@ -319,7 +319,6 @@ def prepare_session(
             if workload is None:
                 # Others write this database: refuse a workload spec before importing it.
                 check_allowed(config.workload, allow_plugins)
-        existing.rdb.engine.dispose()  # opened again below, with the study's heartbeat settings
         if machine is not None:
             here = this_machine(config, machine)
     hardware = here[1] if here is not None else None
@@ -354,6 +353,10 @@ def prepare_session(
         on_stale=RetryStaleTrial(config.workers.max_retry),
         on_busy=reporter.warning,
     )
+    if existing is not None:
+        # Replaced by this storage, with the study's heartbeat settings: its connection is
+        # closed, so that a worker holds two connections, not three.
+        existing.rdb.engine.dispose()
     if existing is None:
         name = config.name or DEFAULT_STUDY_NAME
         stamp = fingerprint(config, workload, spec)

@@ -3,10 +3,11 @@
 Many workers on many machines share one study and one trial budget. What keeps them honest:
 
 * **One step to count and take.** Counting the trials that used the budget and taking the
-  next one (a queued retry first, else a new suggestion) happen under the study lock
+  next one (a queued retry first, else a new trial) happen under the study lock
   (`loader_search.team._locks.study_lock`), so N workers never run more than the budget, and on
   SQLite two processes never take the same queued trial. What to do next is decided by
-  `loader_search.study._budget.decide`, on the trials read under the lock.
+  `loader_search.study._budget.decide`, on the trials read under the lock. Nothing else
+  happens under it: sampling the new trial's settings and storing them come after.
 * **Heartbeats.** While a trial trains, a thread writes its heartbeat; a sweeper thread
   fails and queues again the trials whose worker died (`loader_search.study._heartbeats`).
   Our own threads are used instead of ``study.optimize``'s so that a database restart does
@@ -25,11 +26,11 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from loader_search import interrupts
 from loader_search.errors import StudyAborted
@@ -37,6 +38,7 @@ from loader_search.params import LoaderParams
 from loader_search.study._budget import (
     FINISHED_STATES,
     Confirm,
+    Decision,
     Done,
     Take,
     Wait,
@@ -45,7 +47,7 @@ from loader_search.study._budget import (
     decide,
 )
 from loader_search.study._events import Reporter, Session, TrialEvent
-from loader_search.study._guide import Guide
+from loader_search.study._guide import Guide, Proposal
 from loader_search.study._heartbeats import Every, Health, fail_stale_trials
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -65,9 +67,10 @@ from loader_search.study._keys import (
 )
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._plan import plan_trial
-from loader_search.study._points import is_feasible
+from loader_search.study._points import is_feasible, pareto_front, trial_point
 from loader_search.study._record import Recorded, known_failure, record, record_interrupted
 from loader_search.study._timings import Clock
+from loader_search.study._trials import write_user_attrs
 from loader_search.team._locks import host_lock, study_lock
 from loader_search.team._storage import outage, retrying
 from loader_search.trial._failures import TrialOutcome
@@ -76,106 +79,153 @@ from loader_search.trial._supervisor import run_isolated
 
 MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `_hold_limit`)
 
+T = TypeVar("T")
+
 
 def count_finished(study: optuna.Study) -> int:
     """Finished trials that used the study's budget."""
     return count_used(study.get_trials(deepcopy=False), FINISHED_STATES)
 
 
-def _take_trial(
-    session: Session, health: Health, reporter: Reporter, patience: Patience, clock: Clock
-) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
-    """Under the study lock: sweep stale trials, check the hardware binding, decide on the
-    budget (as stored now: `init` or `run --n-trials` elsewhere may have changed it; see
-    `loader_search.study._budget.decide`), and take the next trial with its settings. `Wait`
-    while the budget is used but other trials still run; None when the study is done.
+@dataclasses.dataclass
+class _Worker:
+    """One worker process's state across its trials."""
 
-    The trial gets its first heartbeat at once: a RUNNING trial with no heartbeat would
-    never be found stale. Should anything fail between taking it and returning it, it is
+    session: Session
+    reporter: Reporter
+    health: Health
+    patience: Patience
+    name: str = dataclasses.field(default_factory=lambda: worker_name())
+
+    def retrying(self, call: Callable[[], T]) -> T:
+        """``call``, tried again while the database is unreachable, each wait reported."""
+        return retrying(call, on_retry=self.unreachable)
+
+    def unreachable(self, exc: BaseException, pause: float) -> None:
+        self.health.failed()
+        said = outage(exc, self.session.rdb.url)
+        self.reporter.warning(f"database unreachable ({said}); retrying in {pause:.0f} s")
+
+
+def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
+    """Take the next trial with its settings; `Wait` while the budget is used but other trials
+    still run; None when the study is done.
+
+    Under the study lock only what must be one step for the whole team: sweep stale trials,
+    read the trials, check the hardware binding, decide on the budget (as stored now: `init`
+    or `run --n-trials` elsewhere may have changed it; see `loader_search.study._budget.decide`),
+    queue what the decision asks for, and create (or pop) the trial, which then counts
+    against the budget. Its first heartbeat is written at once: a RUNNING trial with no
+    heartbeat would never be found stale. Sampling its settings and storing what it will
+    run come after the lock. Should anything fail between taking it and returning it, it is
     failed without a reason (no budget used) rather than left RUNNING.
     """
+    session = worker.session
     study = session.study
-    grace = session.config.workers.grace_period_s
-    with clock.lock(
-        study_lock(
-            session.rdb.engine,
-            session.study_id,
-            hold_limit_s=_hold_limit(session),
-            on_lost=reporter.warning,
-        )
-    ):
-        fail_stale_trials(study, health, grace)
+    grid = session.config.sampler.name == "grid"
+    lock = study_lock(
+        session.rdb.engine,
+        session.study_id,
+        hold_limit_s=_hold_limit(session),
+        on_lost=worker.reporter.warning,
+    )
+    with clock.lock(lock):
+        fail_stale_trials(study, worker.health, session.config.workers.grace_period_s)
+        trials = study.get_trials(deepcopy=False)
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
-        grid = session.config.sampler.name == "grid"
-        trials = study.get_trials(deepcopy=False)
         confirm = confirm_settings(attrs, session.config)
         guide = _guide(session, confirm.loss_tolerance)
         # Fitted once per take: for the proposals, this trial's prediction and the snapshot.
         model = guide.model(trials) if guide is not None else None
-        if guide is not None and model is not None:
-            _store_pipeline(session, attrs, guide.snapshot(trials, model))
-        decision = decide(
-            trials,
-            int(attrs.get(BUDGET_ATTR, session.budget)),
-            confirm,
-            grid_size=session.space.size() if grid else None,
-            hardware_class=session.hardware.hardware_class,
-            proposals=guide.proposals(trials, model) if guide is not None and not grid else (),
-            worker=worker_name(),
-            owner_silent=patience.owner_silent(),
-        )
+        proposals = guide.proposals(trials, model) if guide is not None and not grid else ()
+        decision = _decide(worker, trials, attrs, proposals)
         if isinstance(decision, Done):
             return None
         if isinstance(decision, Wait):
             return decision
-        if isinstance(decision, Confirm):
-            # The next trial of the paired rounds against the baseline (see _confirm).
-            study.enqueue_trial(
-                session.space.trial_params(decision.remeasure.params),
-                user_attrs={
-                    CONFIRMATION_ATTR: True,
-                    CONFIRM_ROUND_ATTR: decision.remeasure.round,
-                },
-                skip_if_exists=False,
-            )
-        elif decision.baseline:
-            # Queued by the worker that takes the first trial: the baseline's thread count
-            # depends on the machine that runs it.
-            batch_size = session.config.training.batch_size
-            study.enqueue_trial(
-                session.space.baseline(batch_size), user_attrs={BASELINE_ATTR: True}
-            )
-        for proposal in decision.propose if isinstance(decision, Take) else ():
-            study.enqueue_trial(
-                session.space.trial_params(proposal.params),
-                user_attrs={MODEL_ROUND_ATTR: proposal.round},
-                skip_if_exists=False,
-            )
+        _queue(session, decision)
         trial = study.ask()
         try:
             session.rdb.record_heartbeat(trial._trial_id)
-            with warnings.catch_warnings():  # main thread only
-                if trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR):
-                    # The baseline (num_workers=0) may sit outside a searched range.
-                    warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
-                params = session.space.suggest(trial)
-            trial.set_user_attr(PARAMS_ATTR, params.as_dict())
-            trial.set_user_attr(WORKER_ATTR, worker_name())
-            trial.set_user_attr(HARDWARE_CLASS_ATTR, session.hardware.hardware_class)
-            trial.set_user_attr(HARDWARE_ATTR, session.hardware.as_dict())
-            if model is not None:  # what the model expects, to check it once measured
-                prediction = model.predict(params)
-                trial.set_user_attr(PREDICTED_ATTR, prediction.throughput)
-                trial.set_user_attr(PREDICTED_BOTTLENECK_ATTR, prediction.bottleneck)
-        except KeyboardInterrupt:
-            record_interrupted(study, trial)
-            raise
         except BaseException:
             with contextlib.suppress(Exception):
                 study.tell(trial, state=TrialState.FAIL)
             raise
+    try:
+        if guide is not None and model is not None:
+            _store_pipeline(session, attrs, guide.snapshot(trials, model))
+        with warnings.catch_warnings():  # main thread only
+            if trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR):
+                # The baseline (num_workers=0) may sit outside a searched range.
+                warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+            params = session.space.suggest(trial)
+        stored: dict[str, Any] = {
+            PARAMS_ATTR: params.as_dict(),
+            WORKER_ATTR: worker.name,
+            HARDWARE_CLASS_ATTR: session.hardware.hardware_class,
+            HARDWARE_ATTR: session.hardware.as_dict(),
+        }
+        if model is not None:  # what the model expects, to check it once measured
+            prediction = model.predict(params)
+            stored[PREDICTED_ATTR] = prediction.throughput
+            stored[PREDICTED_BOTTLENECK_ATTR] = prediction.bottleneck
+        write_user_attrs(trial, stored)
+    except KeyboardInterrupt:
+        record_interrupted(study, trial)
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            study.tell(trial, state=TrialState.FAIL)
+        raise
     return trial, params
+
+
+def _decide(
+    worker: _Worker,
+    trials: Sequence[FrozenTrial],
+    attrs: Mapping[str, Any],
+    proposals: Sequence[Proposal] = (),
+) -> Decision:
+    """`decide` on ``trials`` and the study's ``attrs`` as this worker sees them."""
+    session = worker.session
+    return decide(
+        trials,
+        int(attrs.get(BUDGET_ATTR, session.budget)),
+        confirm_settings(attrs, session.config),
+        grid_size=session.space.size() if session.config.sampler.name == "grid" else None,
+        hardware_class=session.hardware.hardware_class,
+        proposals=proposals,
+        worker=worker.name,
+        owner_silent=worker.patience.owner_silent(),
+    )
+
+
+def _queue(session: Session, decision: Take | Confirm) -> None:
+    """Queue the trials ``decision`` asks for, so that the next `ask` takes the first."""
+    study = session.study
+    if isinstance(decision, Confirm):
+        # The next trial of the paired rounds against the baseline (see _confirm).
+        study.enqueue_trial(
+            session.space.trial_params(decision.remeasure.params),
+            user_attrs={
+                CONFIRMATION_ATTR: True,
+                CONFIRM_ROUND_ATTR: decision.remeasure.round,
+            },
+            skip_if_exists=False,
+        )
+        return
+    if decision.baseline:
+        # Queued by the worker that takes the first trial: the baseline's thread count
+        # depends on the machine that runs it.
+        batch_size = session.config.training.batch_size
+        study.enqueue_trial(session.space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
+    for proposal in decision.propose:
+        study.enqueue_trial(
+            session.space.trial_params(proposal.params),
+            user_attrs={MODEL_ROUND_ATTR: proposal.round},
+            skip_if_exists=False,
+        )
 
 
 def _hold_limit(session: Session) -> float:
@@ -239,13 +289,17 @@ def work(
     the running trial as interrupted) on Ctrl-C.
     """
     interval = session.config.workers.heartbeat_interval_s
-    health = Health()
-    patience = Patience(session.config.workers.grace_period_s)
+    worker = _Worker(
+        session,
+        reporter,
+        Health(),
+        Patience(session.config.workers.grace_period_s),
+    )
     sweeper = Every(
         interval,
-        lambda: _sweep(session, health),
+        lambda: _sweep(session, worker.health),
         lambda error: reporter.warning(f"cannot sweep stale trials: {error}"),
-        health,
+        worker.health,
     )
     sweeper.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -262,44 +316,32 @@ def work(
             # First without the host lock, so a worker never queues behind this machine's
             # other trials only to learn that the study is done or has nothing to take.
             with clock.part("look_ahead"):
-                ahead = retrying(
-                    lambda: _look_ahead(session, patience),
-                    on_retry=lambda exc, pause: _unreachable(
-                        session, health, reporter, exc, pause
-                    ),
-                )
+                ahead = worker.retrying(functools.partial(_look_ahead, worker))
             if isinstance(ahead, Done):
                 break
             if isinstance(ahead, Wait):
-                patience.saw(ahead)
+                worker.patience.saw(ahead)
                 _wait_for_others(reporter, ahead, interval)
                 continue
-            with clock.lock(
-                host_lock(
-                    session.cpus,
-                    session.gpu,
-                    on_wait=lambda holder: reporter.preparing(
-                        f"waiting for the host lock held by {holder}"
-                    ),
-                    study=session.study.study_name,
+            host = host_lock(
+                session.cpus,
+                session.gpu,
+                on_wait=lambda holder: reporter.preparing(
+                    f"waiting for the host lock held by {holder}"
                 ),
-                name="host",
-            ):
+                study=session.study.study_name,
+            )
+            with clock.lock(host, name="host"):
                 with clock.part("take"):
-                    taken = retrying(
-                        functools.partial(_take_trial, session, health, reporter, patience, clock),
-                        on_retry=lambda exc, pause: _unreachable(
-                            session, health, reporter, exc, pause
-                        ),
-                    )
+                    taken = worker.retrying(functools.partial(_take_trial, worker, clock))
                 if taken is None:
                     break
                 if not isinstance(taken, Wait):
                     trial, params = taken
-                    recorded = _run_one(session, health, reporter, trial, params, clock)
+                    recorded = _run_one(worker, trial, params, clock)
             if isinstance(taken, Wait):
                 # Outside the host lock: the trials we wait for may need this host.
-                patience.saw(taken)
+                worker.patience.saw(taken)
                 _wait_for_others(reporter, taken, interval)
                 continue
             ran += 1
@@ -313,20 +355,12 @@ def work(
     return ran
 
 
-def _look_ahead(session: Session, patience: Patience) -> Done | Wait | None:
+def _look_ahead(worker: _Worker) -> Done | Wait | None:
     """`decide` read without any lock: `Done` or `Wait` when the study has nothing to take
     (only more trials can change that, so it cannot be wrong in a way that loses work), else
     None: take the next trial under the host and study locks, which decide again."""
-    attrs = session.study.user_attrs
-    decision = decide(
-        session.study.get_trials(deepcopy=False),
-        int(attrs.get(BUDGET_ATTR, session.budget)),
-        confirm_settings(attrs, session.config),
-        grid_size=session.space.size() if session.config.sampler.name == "grid" else None,
-        hardware_class=session.hardware.hardware_class,
-        worker=worker_name(),
-        owner_silent=patience.owner_silent(),
-    )
+    study = worker.session.study
+    decision = _decide(worker, study.get_trials(deepcopy=False), study.user_attrs)
     return decision if isinstance(decision, (Done, Wait)) else None
 
 
@@ -368,54 +402,40 @@ def _wait_for_others(reporter: Reporter, wait: Wait, interval: float) -> None:
     interrupts.sleep(interval)
 
 
-def _unreachable(
-    session: Session, health: Health, reporter: Reporter, exc: BaseException, pause: float
-) -> None:
-    health.failed()
-    said = outage(exc, session.rdb.url)
-    reporter.warning(f"database unreachable ({said}); retrying in {pause:.0f} s")
-
-
 def _sweep(session: Session, health: Health) -> None:
     study = session.study
     with study_lock(session.rdb.engine, session.study_id, hold_limit_s=_hold_limit(session)):
         fail_stale_trials(study, health, session.config.workers.grace_period_s)
 
 
-def _run_one(
-    session: Session,
-    health: Health,
-    reporter: Reporter,
-    trial: optuna.Trial,
-    params: LoaderParams,
-    clock: Clock,
-) -> Recorded:
+def _run_one(worker: _Worker, trial: optuna.Trial, params: LoaderParams, clock: Clock) -> Recorded:
+    session = worker.session
     study = session.study
     heartbeat = Every(
         session.config.workers.heartbeat_interval_s,
         lambda: session.rdb.record_heartbeat(trial._trial_id),
-        lambda error: reporter.warning(f"cannot write trial #{trial.number}'s heartbeat: {error}"),
-        health,
+        lambda error: worker.reporter.warning(
+            f"cannot write trial #{trial.number}'s heartbeat: {error}"
+        ),
+        worker.health,
     )
     started = time.perf_counter()
     try:
         heartbeat.start()
         interrupts.check()  # a Ctrl-C while the trial was being taken
-        reporter.trial_started(trial.number, params)
-        ended = (TrialState.COMPLETE, TrialState.FAIL)
-        trials = retrying(
-            lambda: study.get_trials(deepcopy=False, states=ended),
-            on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
-        )
-        inferred = known_failure(trials, params, session.hardware.hardware_class)
-        reuse = plan_trial(
-            trials,
-            params,
-            session.config.training,
-            session.hardware.hardware_class,
-            len(session.workload.train_dataset),  # type: ignore[arg-type]
-            reuse_val_loss=session.config.training.reuse_val_loss,
-        )
+        worker.reporter.trial_started(trial.number, params)
+        with clock.part("plan"):
+            trials = worker.retrying(functools.partial(study.get_trials, deepcopy=False))
+            ended = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
+            inferred = known_failure(ended, params, session.hardware.hardware_class)
+            reuse = plan_trial(
+                ended,
+                params,
+                session.config.training,
+                session.hardware.hardware_class,
+                len(session.workload.train_dataset),  # type: ignore[arg-type]
+                reuse_val_loss=session.config.training.reuse_val_loss,
+            )
         if inferred is not None:
             outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
         else:
@@ -437,7 +457,7 @@ def _run_one(
                 outcome,
                 reuse=reuse,
                 inferred_from=inferred[1] if inferred else None,
-                on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
+                on_retry=worker.unreachable,
             )
     except KeyboardInterrupt:
         # Whenever Ctrl-C lands (before, during or after the training), the trial ends
@@ -447,27 +467,22 @@ def _run_one(
     finally:
         heartbeat.stop()
     with clock.part("event"):
-        event = retrying(
-            lambda: _event(session, trial, params, recorded, started),
-            on_retry=lambda exc, pause: _unreachable(session, health, reporter, exc, pause),
+        event = worker.retrying(
+            functools.partial(_event, worker, trial, params, recorded, started)
         )
-    reporter.trial_finished(event)
+    worker.reporter.trial_finished(event)
     return recorded
 
 
 def _event(
-    session: Session,
+    worker: _Worker,
     trial: optuna.Trial,
     params: LoaderParams,
     recorded: Recorded,
     started: float,
 ) -> TrialEvent:
-    study = session.study
-    feasible = [
-        t
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if is_feasible(t)
-    ]
+    trials = worker.session.study.get_trials(deepcopy=False)  # one read, not three
+    feasible = [t for t in trials if t.state == TrialState.COMPLETE and is_feasible(t)]
     failure = recorded.failure
     state = "failed" if recorded.state == TrialState.FAIL else "complete"
     if recorded.infeasible:
@@ -482,9 +497,9 @@ def _event(
         failure=f"{failure.reason}: {failure.message}" if failure else None,
         hint=failure.hint if failure else None,
         duration_s=time.perf_counter() - started,
-        finished=count_finished(study),
-        budget=session.budget,
-        pareto_size=len(study.best_trials),
+        finished=count_used(trials, FINISHED_STATES),
+        budget=worker.session.budget,
+        pareto_size=len(pareto_front([trial_point(t) for t in feasible])),
         best_throughput=max((t.values[0] for t in feasible), default=None),
         best_val_loss=min((t.values[1] for t in feasible), default=None),
         confirmation=bool(trial.user_attrs.get(CONFIRMATION_ATTR)),

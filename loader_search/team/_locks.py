@@ -36,6 +36,7 @@ import hashlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -207,6 +208,21 @@ def study_lock(
 
     A holder silent for ``hold_limit_s`` loses the lock (see the module docstring); it learns
     so on release: ``on_lost`` is told why, or without it `StudyLockLost` is raised."""
+    # The threads of one process (the worker, its sweeper) take turns before they ask the
+    # database: a thread waiting there would hold one of the worker's two pooled connections
+    # while the holder needs the other (see `loader_search.team._storage.open_storage`).
+    with _turns(engine, study_id), _study_lock(engine, study_id, timeout_s, hold_limit_s, on_lost):
+        yield
+
+
+@contextlib.contextmanager
+def _study_lock(
+    engine: Engine,
+    study_id: int,
+    timeout_s: float,
+    hold_limit_s: float,
+    on_lost: Callable[[str], None] | None,
+) -> Iterator[None]:
     backend = engine.url.get_backend_name()
     waited = (
         f"waited {timeout_s:.0f} s for study #{study_id}'s lock, which another worker holds;"
@@ -290,6 +306,19 @@ def study_lock(
                 yield
             finally:
                 os.close(fd)  # releases the record lock
+
+
+_TURNS: weakref.WeakKeyDictionary[Engine, dict[int, threading.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+_TURNS_GUARD = threading.Lock()
+
+
+def _turns(engine: Engine, study_id: int) -> threading.Lock:
+    """The lock that the threads of this process take turns at, per engine (its pool) and
+    study, before they ask the database for ``study_id``'s lock."""
+    with _TURNS_GUARD:
+        return _TURNS.setdefault(engine, {}).setdefault(study_id, threading.Lock())
 
 
 def _lost(message: str, on_lost: Callable[[str], None] | None) -> None:

@@ -171,9 +171,13 @@ def open_storage(
         engine_kwargs["connect_args"] = {"timeout": 60}
     else:
         # A worker holds its connections for hours while trials train, and the server may
-        # restart meanwhile: test each connection before use, recycle old ones, and keep the
-        # pool small (a worker needs one for its work and one for the heartbeat).
-        engine_kwargs.update(pool_pre_ping=True, pool_recycle=1800, pool_size=2, max_overflow=3)
+        # restart meanwhile: test each connection before use, and recycle old ones. Two
+        # connections at most, so that a server's 100 serve a team of 50: one holds the study
+        # lock while the other works under it; the heartbeat and the sweeper threads borrow
+        # one between the main thread's statements.
+        engine_kwargs.update(
+            pool_pre_ping=True, pool_recycle=1800, pool_size=2, max_overflow=0, pool_timeout=60
+        )
     heartbeat_kwargs: dict[str, Any] = {}
     if workers is not None:
         heartbeat_kwargs = {
@@ -300,6 +304,9 @@ _TRANSIENT = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
     sqlalchemy.exc.DisconnectionError,
+    # No pooled connection came free in time: another thread of this worker kept both while
+    # the server did not answer.
+    sqlalchemy.exc.TimeoutError,
 )
 
 
