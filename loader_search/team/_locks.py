@@ -308,9 +308,7 @@ def _study_lock(
                 os.close(fd)  # releases the record lock
 
 
-_TURNS: weakref.WeakKeyDictionary[Engine, dict[int, threading.Lock]] = (
-    weakref.WeakKeyDictionary()
-)
+_TURNS: weakref.WeakKeyDictionary[Engine, dict[int, threading.Lock]] = weakref.WeakKeyDictionary()
 _TURNS_GUARD = threading.Lock()
 
 
