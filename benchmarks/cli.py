@@ -464,6 +464,7 @@ def scale_section(rows: list[dict[str, Any]]) -> str:
         [
             ("backend", "backend", ""),
             ("workers", "workers", ""),
+            ("wait_ms", "trial wait ms", ""),
             ("idle_connections", "idle conns", ""),
             ("trials", "trials", ""),
             ("p50_ms", "coordination p50 ms", ",.0f"),
@@ -526,6 +527,12 @@ def main(argv: list[str] | None = None) -> None:
         help="scale: team sizes, comma-separated",
     )
     parser.add_argument(
+        "--wait-ms",
+        default="0,100",
+        help="scale: forward-pass waits of the plug-in's trials, comma-separated (0: trials"
+        " of milliseconds, CPU-bound; 100: trials of seconds that leave the CPUs free)",
+    )
+    parser.add_argument(
         "--idle-beside",
         type=int,
         default=31,
@@ -552,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
             workers=[int(n) for n in args.workers.split(",")],
             quick=args.quick,
             idle_beside=args.idle_beside,
+            waits_ms=[float(w) for w in args.wait_ms.split(",")],
         )
         report = f"Measured on: {machine()}\n\n{scale_section(rows)}\n"
         (out / ("scale_quick.md" if args.quick else "scale.md")).write_text(report)

@@ -16,9 +16,12 @@ of its own, so their trials overlap as on many machines, and writes its per-tria
   queued), duplicates (a trial taken by two workers), trials over the budget.
 
 On a 2-core machine, 32 Python processes share the CPUs with the database server, so their
-coordination waits for a CPU as much as for the database. To show how much, a run with one
+coordination waits for a CPU as much as for the database. To show how much, every team size
+runs twice: with trials of milliseconds (``wait_ms`` 0: the CPUs are saturated by the trials'
+own work, a stress test) and with trials whose forward passes wait 100 ms without using a CPU
+(trials of seconds, as on GPU servers: the CPUs stay free for the coordination). And one
 worker beside idle connections (``idle``) times the same statements with the server as
-crowded but the CPUs free.
+crowded as for 32 workers, but the CPUs free.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -62,6 +66,9 @@ name = "random"  # sampling costs next to nothing: what is timed is the team's c
 [workload]
 name = "{plugin}"
 
+[workload.options]
+wait_ms = {wait_ms}  # each forward pass waits this long, using no CPU
+
 [training]
 device = "cpu"
 train_samples = 192
@@ -77,11 +84,14 @@ torch_threads = 1
 """
 
 
-def trials_for(workers: int, quick: bool) -> int:
-    """A few hundred trials for a team, fewer for one worker (each runs them in turn)."""
+def trials_for(workers: int, quick: bool, wait_ms: float = 0.0) -> int:
+    """A few hundred trials for a team, fewer for one worker (each runs them in turn; with
+    waiting trials, fewer still)."""
     if quick:
         return 6 * max(1, workers)
-    return 100 if workers == 1 else max(200, 6 * workers)
+    if workers == 1:
+        return 30 if wait_ms else 100
+    return max(200, 6 * workers)
 
 
 @contextlib.contextmanager
@@ -154,16 +164,22 @@ def one_run(
     folder: Path,
     *,
     idle: int = 0,
+    wait_ms: float = 0.0,
     server_url: str | None = None,
 ) -> dict[str, Any]:
     """``workers`` real worker processes (and ``idle`` idle connections beside them) share
-    one study of ``trials`` on a fresh database of ``backend``'s server."""
+    one study of ``trials`` on a fresh database of ``backend``'s server; every forward pass
+    of their trials waits ``wait_ms`` (see `benchmarks/fast_workload.py`)."""
     import sqlalchemy
 
     folder.mkdir(parents=True, exist_ok=True)
-    tag = f"{backend}-{workers}" + (f"-idle{idle}" if idle else "")
+    tag = (
+        f"{backend}-{workers}"
+        + (f"-idle{idle}" if idle else "")
+        + (f"-wait{wait_ms:g}" if wait_ms else "")
+    )
     config = folder / f"scale-{tag}.toml"
-    config.write_text(CONFIG.format(trials=trials, plugin=PLUGIN))
+    config.write_text(CONFIG.format(trials=trials, plugin=PLUGIN, wait_ms=wait_ms))
     timings = folder / f"timings-{tag}.jsonl"
     timings.unlink(missing_ok=True)
     with fresh_database(server_url or SERVERS[backend]) as url:
@@ -215,6 +231,7 @@ def one_run(
             connection.close()
         idler.dispose()
         result = _summarise(backend, workers, trials, url, timings, samples, idle)
+        result["wait_ms"] = wait_ms
     warnings = 0
     for i in range(workers):
         text = (folder / f"worker-{tag}-{i}.log").read_text(errors="replace")
@@ -292,19 +309,24 @@ def run(
     workers: Sequence[int] = WORKERS,
     quick: bool = False,
     idle_beside: int = 31,
+    waits_ms: Sequence[float] = (0.0,),
 ) -> list[dict[str, Any]]:
-    """Every backend at every team size, then one worker beside ``idle_beside`` idle
-    connections; each row as it lands is printed and saved to ``out`` (a JSON list)."""
+    """Every backend at every team size, for each forward-pass wait in ``waits_ms``, then
+    one worker beside ``idle_beside`` idle connections; each row as it lands is printed
+    and saved to ``out`` (a JSON list)."""
     rows: list[dict[str, Any]] = []
-    folder = out.parent / f"{out.stem}-runs"
-    plan = [(b, n, 0) for b in backends for n in workers]
+    folder = Path(tempfile.mkdtemp(prefix="loader-search-scale-"))  # workers' logs and times
+    print(f"workers' logs and timings: {folder}", flush=True)
+    plan = [(b, n, 0, w) for w in waits_ms for b in backends for n in workers]
     if idle_beside:
-        plan += [(b, 1, idle_beside) for b in backends]
-    for backend, n, idle in plan:
-        row = one_run(backend, n, trials_for(n, quick), folder, idle=idle)
+        plan += [(b, 1, idle_beside, 0.0) for b in backends]
+    for backend, n, idle, wait_ms in plan:
+        trials = trials_for(n, quick, wait_ms)
+        row = one_run(backend, n, trials, folder, idle=idle, wait_ms=wait_ms)
         rows.append(row)
         print(
-            f"{backend:10} workers={n:3} idle={idle:2}: {row['trials']} trials,"
+            f"{backend:10} workers={n:3} idle={idle:2} wait={wait_ms:g} ms:"
+            f" {row['trials']} trials,"
             f" coordination p50/p95/max {row['p50_ms']}/{row['p95_ms']}/{row['max_ms']} ms,"
             f" lock hold p50/p95 {row['lock_hold_p50_ms']}/{row['lock_hold_p95_ms']} ms,"
             f" capacity {row['capacity_trials_per_s']}/s, {row['trials_per_s']} trials/s,"

@@ -101,21 +101,24 @@ class Guide:
     def model(self, trials: Sequence[FrozenTrial]) -> PipelineModel | None:
         return fit(self.observations(trials), self.device, self.cpus)
 
+    def may_propose(self, trials: Sequence[FrozenTrial]) -> bool:
+        """Whether `proposals` may ask for anything: a round is left, and none is queued or
+        running (without fitting the model: the cheap half of the question)."""
+        if _rounds_done(trials) >= ROUNDS:
+            return False
+        pending = (TrialState.WAITING, TrialState.RUNNING)
+        return not any(t.state in pending and t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials)
+
     def proposals(
         self, trials: Sequence[FrozenTrial], model: PipelineModel | None
     ) -> list[Proposal]:
         """What ``model`` (`model` of these ``trials``) asks to measure next: nothing while a
         round is queued or running, or before it could be fitted (the baseline, with its
         stage costs and ceiling, has not completed)."""
-        rounds = [t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials]
-        done = max((r for r in rounds if isinstance(r, int)), default=0)
-        if done >= ROUNDS:
+        if model is None or not self.may_propose(trials):
             return []
+        done = _rounds_done(trials)
         pending = (TrialState.WAITING, TrialState.RUNNING)
-        if any(t.state in pending and t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials):
-            return []
-        if model is None:
-            return []
         tried = {o.params for o in self.observations(trials)} | {
             p for p in (stored_params(t) for t in trials if t.state in pending) if p is not None
         }
@@ -295,3 +298,8 @@ def lifts(
 def _doubled(space: ResolvedSpace) -> IntRange:
     """The worker range on a machine with twice the CPUs (its top end doubled)."""
     return replace(space.num_workers, high=space.num_workers.high * 2)
+
+
+def _rounds_done(trials: Sequence[FrozenTrial]) -> int:
+    rounds = [t.user_attrs.get(MODEL_ROUND_ATTR) for t in trials]
+    return max((r for r in rounds if isinstance(r, int)), default=0)

@@ -345,6 +345,10 @@ def prepare_session(
     shown = mask_url(url)
     if existing is None:
         reporter.preparing(f"opening storage {shown}")
+    else:
+        # Opened again below with the study's heartbeat settings: its connections are closed
+        # first, so that a worker never holds more than two.
+        existing.rdb.engine.dispose()
     # With heartbeats on (their settings are the study's); a joining worker opened it before.
     rdb = open_storage(
         url,
@@ -353,10 +357,6 @@ def prepare_session(
         on_stale=RetryStaleTrial(config.workers.max_retry),
         on_busy=reporter.warning,
     )
-    if existing is not None:
-        # Replaced by this storage, with the study's heartbeat settings: its connection is
-        # closed, so that a worker holds two connections, not three.
-        existing.rdb.engine.dispose()
     if existing is None:
         name = config.name or DEFAULT_STUDY_NAME
         stamp = fingerprint(config, workload, spec)

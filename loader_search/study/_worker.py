@@ -136,9 +136,11 @@ def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderPara
         _bind_hardware(session, attrs)
         confirm = confirm_settings(attrs, session.config)
         guide = _guide(session, confirm.loss_tolerance)
-        # Fitted once per take: for the proposals, this trial's prediction and the snapshot.
-        model = guide.model(trials) if guide is not None else None
-        proposals = guide.proposals(trials, model) if guide is not None and not grid else ()
+        # Fitted once per take: for the proposals, this trial's prediction and the snapshot;
+        # under the lock only while the model may still propose.
+        asks = guide is not None and not grid and guide.may_propose(trials)
+        model = guide.model(trials) if guide is not None and asks else None
+        proposals = guide.proposals(trials, model) if guide is not None and asks else ()
         decision = _decide(worker, trials, attrs, proposals)
         if isinstance(decision, Done):
             return None
@@ -153,6 +155,8 @@ def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderPara
                 study.tell(trial, state=TrialState.FAIL)
             raise
     try:
+        if guide is not None and not asks:
+            model = guide.model(trials)
         if guide is not None and model is not None:
             _store_pipeline(session, attrs, guide.snapshot(trials, model))
         with warnings.catch_warnings():  # main thread only
