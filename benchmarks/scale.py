@@ -95,14 +95,17 @@ def trials_for(workers: int, quick: bool, wait_ms: float = 0.0) -> int:
 
 
 @contextlib.contextmanager
-def fresh_database(server_url: str) -> Iterator[str]:
-    """A new, empty database on the server, dropped afterwards."""
+def fresh_database(server_url: str, prefix: str = "ls_scale") -> Iterator[str]:
+    """A new, empty database on the server of ``server_url`` (named ``prefix`` and a random
+    suffix), dropped afterwards, so that runs sharing a server never meet. The tests' scratch
+    databases are made here too (tests/conftest.py)."""
     import sqlalchemy
     from sqlalchemy.engine import make_url
 
     url = make_url(server_url)
-    name = f"ls_scale_{uuid.uuid4().hex[:10]}"
-    admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    # Pre-ping: the server may restart in between (some tests restart it).
+    admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     postgres = url.get_backend_name() == "postgresql"
     with admin.connect() as connection:
         connection.execute(sqlalchemy.text(f"CREATE DATABASE {name}"))

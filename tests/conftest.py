@@ -4,7 +4,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -59,24 +58,11 @@ def require_database(url: str) -> None:
 def scratch_database(server_url: str) -> Iterator[str]:
     """A new, empty database on the server of ``server_url``, dropped afterwards, so tests
     that share a server run repeatedly and side by side."""
-    import sqlalchemy
-    from sqlalchemy.engine import make_url
+    from benchmarks.scale import fresh_database
 
     require_database(server_url)
-    url = make_url(server_url)
-    name = f"ls_test_{uuid.uuid4().hex[:12]}"
-    # Pre-ping: a test may restart the server in between.
-    admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
-    postgres = url.get_backend_name() == "postgresql"
-    with admin.connect() as connection:
-        connection.execute(sqlalchemy.text(f"CREATE DATABASE {name}"))
-    try:
-        yield url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        drop = f"DROP DATABASE IF EXISTS {name}" + (" WITH (FORCE)" if postgres else "")
-        with admin.connect() as connection:
-            connection.execute(sqlalchemy.text(drop))
-        admin.dispose()
+    with fresh_database(server_url, prefix="ls_test") as url:
+        yield url
 
 
 # A study config small enough that a whole CLI run takes seconds on 2 cores.
