@@ -196,3 +196,25 @@ def test_after_a_failed_baseline_the_fixed_study_runs_in_full(
     assert [t.state for t in trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 3
     assert trials[0].user_attrs["failure_reason"] == "diverged"
     assert summary.baseline is not None and summary.baseline.number == 1
+
+
+@pytest.mark.parametrize("prefetch_max", [1, 2])
+def test_the_baseline_outside_the_grid_takes_none_of_its_points(
+    prefetch_max: int, tiny_workload: Workload, sqlite_url: str
+) -> None:
+    # num_workers from 1: the baseline (0 workers) is no point of the grid, which has
+    # 1 or 2 combinations (1 worker, prefetch 1 or 2); each is measured once, then it stops.
+    space = dataclasses.replace(
+        SPACE,
+        batch_sizes=(16,),
+        num_workers=CpuRange(1, 1),
+        prefetch_factor=IntRange(1, prefetch_max),
+    )
+    config = dataclasses.replace(CONFIG, trials=5, space=space, sampler=SamplerConfig("grid"))
+    run_study(config, workload=tiny_workload, storage=sqlite_url)
+    trials = optuna.load_study(study_name="runner", storage=sqlite_url).get_trials()
+    assert trials[0].user_attrs["baseline"] is True
+    searched = [t.params for t in trials[1:]]
+    assert sorted(p["prefetch_factor"] for p in searched) == list(range(1, prefetch_max + 1))
+    assert all(p["num_workers"] == 1 for p in searched)
+    assert all(t.state == TrialState.COMPLETE for t in trials)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.study._config import StudyConfig
@@ -70,9 +71,29 @@ def count_used(trials: Sequence[FrozenTrial], states: Sequence[TrialState]) -> i
 
 def combinations_left(trials: Sequence[FrozenTrial], grid_size: int) -> int:
     """For the grid sampler: of its ``grid_size`` valid combinations, those not yet taken
-    (it would repeat them)."""
-    taken = {tuple(sorted(t.params.items())) for t in trials if uses_budget(t) and t.params}
+    (it would repeat them). A trial off the grid takes none: the baseline (0 workers) when
+    the space's num_workers starts at 1."""
+    taken = {
+        tuple(sorted(t.params.items()))
+        for t in trials
+        if uses_budget(t) and t.params and on_grid(t)
+    }
     return max(0, grid_size - len(taken))
+
+
+def on_grid(trial: FrozenTrial) -> bool:
+    """Whether each of the trial's parameters lies in the range it was suggested from (a
+    queued trial's fixed value may not: Optuna stores it with a warning)."""
+    for name, value in trial.params.items():
+        dist = trial.distributions.get(name)
+        inside = True
+        if isinstance(dist, CategoricalDistribution):
+            inside = value in dist.choices
+        elif isinstance(dist, (IntDistribution, FloatDistribution)):
+            inside = dist.low <= value <= dist.high
+        if not inside:
+            return False
+    return True
 
 
 def needs_baseline(trials: Sequence[FrozenTrial]) -> bool:
