@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import string
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -246,3 +248,47 @@ def test_a_lock_folder_others_could_swap_is_refused_before_the_study(tmp_path: P
     _assert_refused(result, str(folder), "sticky")
     assert not database.exists()
     assert list(folder.iterdir()) == []
+
+
+# -- missing database drivers -------------------------------------------------------------
+
+# The CLI with the installed drivers hidden, as on a machine without the extra.
+_WITHOUT_DRIVERS = (
+    "import sys; sys.modules['psycopg'] = sys.modules['pymysql'] = None;"
+    " sys.argv[0] = 'loader-search'; from loader_search.cli import main; main()"
+)
+
+
+@pytest.mark.parametrize(
+    ("url", "extra"),
+    [
+        ("postgresql+psycopg://postgres:sekrit@127.0.0.1:5432/test", "postgres"),
+        ("postgresql+psycopg2://postgres:sekrit@127.0.0.1:5432/test", "postgres"),
+        ("mysql+pymysql://root:sekrit@127.0.0.1:3306/test", "mysql"),
+        ("mysql+mysqldb://root:sekrit@127.0.0.1:3306/test", "mysql"),
+    ],
+)
+def test_a_missing_driver_names_the_extra_on_every_command(
+    tmp_path: Path, url: str, extra: str
+) -> None:
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    for args in (
+        ["run", str(config)],
+        ["init", str(config)],
+        ["worker", "tiny"],
+        ["report", "tiny"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-c", _WITHOUT_DRIVERS, *args, "--storage", url],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        # `run` and `worker` say first that they open the storage.
+        result.stderr = result.stderr.split("...\n")[-1]
+        line = _assert_refused(result, f"pip install 'loader-search[{extra}]'", "is missing")
+        assert "sekrit" not in result.stderr + result.stdout, args
+        assert "Failed to import" not in line, args
+    assert list(tmp_path.iterdir()) == [config]

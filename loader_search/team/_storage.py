@@ -43,6 +43,9 @@ _DRIVER_HINTS = {
     "MySQLdb": "pip install 'loader-search[mysql]' and use mysql+pymysql://",
 }
 
+# Each server backend's extra, and the URL scheme of the driver it installs.
+_EXTRAS = {"postgresql": ("postgres", "postgresql+psycopg"), "mysql": ("mysql", "mysql+pymysql")}
+
 
 def resolve_storage_url(cli_value: str | None) -> str:
     """The storage URL to use: the CLI's, else the environment's, else the SQLite default."""
@@ -243,15 +246,40 @@ def _open(
             f"storage URL {shown}: unknown database dialect {parsed.drivername!r}; use"
             " sqlite, postgresql+psycopg or mysql+pymysql"
         ) from None
-    except ModuleNotFoundError as exc:
-        hint = _DRIVER_HINTS.get(exc.name or "", "install the database driver")
-        raise UserError(f"storage URL {shown}: driver {exc.name!r} is missing: {hint}") from None
+    except ImportError as exc:
+        # Optuna wraps SQLAlchemy's ModuleNotFoundError in its own ImportError ("Failed to
+        # import DB access module"): the missing module is the cause's.
+        raise _driver_error_message(exc, parsed, shown) from None
     except UserError:
         raise
     except Exception as exc:
         if is_busy(exc):
             raise
         raise _open_error(exc, url, shown) from None
+
+
+def _driver_error_message(exc: ImportError, parsed: URL, shown: str) -> UserError:
+    """The one-line message for a database driver that cannot be imported: which extra
+    installs it."""
+    extra, scheme = _EXTRAS.get(parsed.get_backend_name(), (None, None))
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ModuleNotFoundError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ModuleNotFoundError) and cause.name:
+        name = cause.name.split(".")[0]
+        hint = _DRIVER_HINTS.get(name) or (
+            f"install it, or pip install 'loader-search[{extra}]' and use {scheme}://"
+            if extra
+            else "install it"
+        )
+        return UserError(f"storage URL {shown}: driver {name!r} is missing: {hint}")
+    # Installed but broken (psycopg without its libpq wrapper, say).
+    origin = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+    fix = f"pip install 'loader-search[{extra}]'" if extra else "reinstall the database driver"
+    return UserError(
+        f"storage URL {shown}: the database driver cannot be loaded"
+        f" ({type(origin).__name__}: {_first_line(origin)}); {fix}"
+    )
 
 
 def _open_error(exc: Exception, url: str, shown: str) -> UserError:
