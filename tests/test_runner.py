@@ -218,3 +218,21 @@ def test_the_baseline_outside_the_grid_takes_none_of_its_points(
     assert sorted(p["prefetch_factor"] for p in searched) == list(range(1, prefetch_max + 1))
     assert all(p["num_workers"] == 1 for p in searched)
     assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+def test_the_study_records_the_machine_it_is_bound_to(
+    tiny_workload: Workload, sqlite_url: str
+) -> None:
+    # What docs/how-it-works.md lists, read with plain Optuna.
+    run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=1)
+    study = optuna.load_study(study_name="runner", storage=sqlite_url)
+    attrs = study.user_attrs
+    hardware = study.trials[0].user_attrs["hardware"]
+    assert attrs["device"] == "cpu"
+    assert attrs["device_name"] == hardware["cpu_model"]
+    assert attrs["usable_cpus"] == hardware["usable_cpus"] >= 1
+    assert attrs["hardware_class"] == hardware["hardware_class"]
+    assert attrs["torch_version"] == torch.__version__
+    assert attrs["optuna_version"] == optuna.__version__
+    for key in ("python_version", "trial_budget", "fingerprint"):
+        assert key in attrs, key

@@ -34,20 +34,24 @@ BUDGET_ATTR = "trial_budget"  # the total trial budget, shared by every worker
 TOLERANCE_ATTR = "loss_tolerance"  # the recommendation's relative val_loss slack
 CONFIRM_ATTR = "confirm"  # {"top", "min_rounds", "max_rounds", "half_width"} (see _confirm)
 STUDY_HARDWARE_ATTR = "hardware_class"  # the hardware class of the study's first trial
+# ... and, stored with it, that class in words (each trial's `HARDWARE_ATTR` has all of it):
+DEVICE_ATTR = "device"  # "cuda" or "cpu"
+DEVICE_NAME_ATTR = "device_name"  # the GPU model on CUDA, else the CPU model
+USABLE_CPUS_ATTR = "usable_cpus"  # the CPUs a trial may use (after any --cpus pinning)
 MIXED_HARDWARE_ATTR = "mixed_hardware"  # True once a trial of another class ran
 WORKLOAD_DESCRIPTION_ATTR = "workload_description"
 SAMPLER_ATTR = "sampler"  # the configured sampler's name
 PIPELINE_ATTR = "pipeline"  # the pipeline model and each batch size's limit (see _guide)
-# The software a study was created with (`run`/`init` store them), and the machine, which only
-# studies from before trials carried a hardware fingerprint have: the report shows what is there.
+# The software a study was created with (`run`/`init` store them), and the machine it is bound
+# to (stored with its first trial): the report shows what is there.
 TORCH_VERSION_ATTR = "torch_version"
 OPTUNA_VERSION_ATTR = "optuna_version"
 PYTHON_VERSION_ATTR = "python_version"
 VERSION_ATTR = "loader_search_version"
 ENVIRONMENT_ATTRS = (
-    "device",
-    "device_name",
-    "usable_cpus",
+    DEVICE_ATTR,
+    DEVICE_NAME_ATTR,
+    USABLE_CPUS_ATTR,
     TORCH_VERSION_ATTR,
     OPTUNA_VERSION_ATTR,
     PYTHON_VERSION_ATTR,

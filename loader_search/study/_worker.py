@@ -54,6 +54,8 @@ from loader_search.study._keys import (
     BUDGET_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
+    DEVICE_ATTR,
+    DEVICE_NAME_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     MIXED_HARDWARE_ATTR,
@@ -63,6 +65,7 @@ from loader_search.study._keys import (
     PREDICTED_ATTR,
     PREDICTED_BOTTLENECK_ATTR,
     STUDY_HARDWARE_ATTR,
+    USABLE_CPUS_ATTR,
     WORKER_ATTR,
 )
 from loader_search.study._machine import hardware_mismatch
@@ -268,9 +271,21 @@ def _store_pipeline(session: Session, attrs: Mapping[str, Any], snapshot: dict[s
 def _bind_hardware(session: Session, attrs: Mapping[str, Any]) -> None:
     """Bind a new study to this worker's hardware class, or check this worker against it
     (under the study lock: two workers of different classes may start on a fresh study)."""
-    mine = session.hardware.hardware_class
+    hardware = session.hardware
+    mine = hardware.hardware_class
     bound = attrs.get(STUDY_HARDWARE_ATTR)
     if bound is None:
+        # Once per study. The class in words too, as plain Optuna shows it; all three are
+        # part of the class, so they hold for every worker it admits (without --allow-mixed-
+        # hardware). Never `torch.cuda.get_device_name`: this process must not start CUDA.
+        cuda = hardware.device_type == "cuda"
+        described = {
+            DEVICE_ATTR: hardware.device_type,
+            DEVICE_NAME_ATTR: (hardware.gpu_model if cuda else None) or hardware.cpu_model,
+            USABLE_CPUS_ATTR: hardware.usable_cpus,
+        }
+        for key, value in described.items():
+            session.study.set_user_attr(key, value)
         session.study.set_user_attr(STUDY_HARDWARE_ATTR, mine)
     elif bound != mine:
         if not session.allow_mixed_hardware:
