@@ -22,6 +22,11 @@ _EXPORTS = {
     "load_config": "loader_search.study._config",
     "StudySummary": "loader_search.study._recommend",
     "run_study": "loader_search.study._session",
+    "LineReporter": "loader_search.study._events",
+    "NullReporter": "loader_search.study._events",
+    "Reporter": "loader_search.study._events",
+    "StudyInfo": "loader_search.study._events",
+    "TrialEvent": "loader_search.study._events",
     "init_study": "loader_search.study._session",
     "run_worker": "loader_search.study._session",
     "TrainingSettings": "loader_search.params",
@@ -34,12 +39,17 @@ _EXPORTS = {
 __all__ = [
     "CpuRange",
     "IntRange",
+    "LineReporter",
     "LoaderParams",
+    "NullReporter",
+    "Reporter",
     "SamplerConfig",
     "SearchSpace",
     "StudyConfig",
+    "StudyInfo",
     "StudySummary",
     "TrainingSettings",
+    "TrialEvent",
     "TrialResult",
     "UserError",
     "Workload",
@@ -56,6 +66,13 @@ if TYPE_CHECKING:
     from loader_search.errors import UserError
     from loader_search.params import LoaderParams, dataloader_snippet
     from loader_search.study._config import SamplerConfig, StudyConfig, load_config
+    from loader_search.study._events import (
+        LineReporter,
+        NullReporter,
+        Reporter,
+        StudyInfo,
+        TrialEvent,
+    )
     from loader_search.study._recommend import StudySummary
     from loader_search.study._session import init_study, run_study, run_worker
     from loader_search.study._space import CpuRange, IntRange, SearchSpace

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import optuna
 import pytest
 import torch
@@ -10,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 from loader_search import CpuRange, SearchSpace, StudyConfig, TrainingSettings, Workload, run_study
 from loader_search.errors import UserError
+from tests.conftest import ROOT
 
 
 def _my_workload() -> Workload:
@@ -62,3 +67,38 @@ def test_continuing_with_other_settings_is_refused(sqlite_url: str) -> None:
 def test_inconsistent_config_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="baseline batch size 48"):
         StudyConfig(training=TrainingSettings(batch_size=48))
+
+
+# A notebook's or a script's run: the module's workload, two trials, then the same quietly.
+_SCRIPT = """
+import sys
+from loader_search import StudyConfig, run_study
+from tests.test_api import CONFIG, _my_workload
+
+config = StudyConfig(**{**CONFIG.__dict__, "trials": 2})
+run_study(config, workload=_my_workload(), storage=sys.argv[1])
+sys.stderr.write("QUIET FROM HERE\\n")
+run_study(config, workload=_my_workload(), storage=sys.argv[1], n_trials=3, quiet=True)
+"""
+
+
+def test_run_study_prints_progress_unless_quiet(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, storage],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loud, _, quiet = done.stderr.partition("QUIET FROM HERE\n")
+    lines = [line for line in loud.splitlines() if line.startswith("[loader-search] ")]
+    assert any("created study 'notebook'" in line and "0/2 trials done" in line for line in lines)
+    assert any(line.startswith("[loader-search] trial #0 started: ") for line in lines)
+    for number, progress in ((0, "[1/2]"), (1, "[2/2]")):
+        finished = [line for line in lines if f"trial #{number} {progress} " in line]
+        assert len(finished) == 1 and "samples/s, val_loss" in finished[0], loud
+    assert "[loader-search]" not in quiet + done.stdout
+    study = optuna.load_study(study_name="notebook", storage=storage)
+    assert len(study.trials) == 3  # the quiet run ran its trial

@@ -1,11 +1,13 @@
 """What the study layer hands to its callers: the session a worker runs, the study it opened,
-and the progress it reports (`Reporter`; the CLI draws it, the Python API ignores it)."""
+and the progress it reports (`Reporter`: the CLI draws it; the Python API prints it as plain
+lines, `LineReporter`, unless asked to be quiet)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import optuna
 import torch
@@ -43,7 +45,8 @@ class TrialEvent:
 
 
 class Reporter(Protocol):
-    """Receives progress; the CLI draws it, the Python API ignores it (`NullReporter`)."""
+    """Receives progress: the CLI draws it (a live bar), the Python API prints it
+    (`LineReporter`), or nothing hears it (`NullReporter`, ``quiet=True``)."""
 
     def preparing(self, what: str) -> None:
         """A step before the trials start (or a wait between them)."""
@@ -76,6 +79,77 @@ class NullReporter:
 
     def warning(self, what: str) -> None:
         pass
+
+
+class LineReporter:
+    """Progress as plain lines, one per step and per trial, flushed at once: what the Python
+    API prints by default, fit for a notebook cell, a script's log or a pipe (no terminal
+    control codes). ``stream`` defaults to standard error, looked up at each line (a notebook
+    replaces it per cell)."""
+
+    PREFIX = "[loader-search]"
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+        self._last_step: str | None = None
+
+    def _line(self, text: str) -> None:
+        stream = self.stream if self.stream is not None else sys.stderr
+        stream.write(f"{self.PREFIX} {text}\n")
+        stream.flush()
+
+    def preparing(self, what: str) -> None:
+        if what != self._last_step:  # a wait repeats its step while it lasts: said once
+            self._line(f"{what} ...")
+        self._last_step = what
+
+    def study_started(self, info: StudyInfo) -> None:
+        self._last_step = None
+        verb = "created" if info.created else "continuing"
+        self._line(
+            f"{verb} study {info.name!r} in {info.storage}: {info.finished}/{info.budget}"
+            f" trials done; workload {info.workload}; hardware {info.device}"
+            f" (class {info.hardware_class})"
+        )
+        for note in info.notes:
+            self._line(f"note: {note}")
+        if info.finished >= info.budget:
+            self._line(
+                f"trial budget already used; pass n_trials above {info.budget} to search more"
+                " (unfinished confirmation rounds still run)"
+            )
+
+    def trial_started(self, number: int, params: LoaderParams) -> None:
+        self._last_step = None
+        self._line(f"trial #{number} started: {params.describe()}")
+
+    def trial_finished(self, event: TrialEvent) -> None:
+        settings = event.params.describe() if event.params else ""
+        if event.confirmation:
+            settings += " (confirmation"
+            if event.confirm_round is not None:
+                settings += f", round {event.confirm_round}"
+            settings += ")"
+        progress = f"[{event.finished}/{event.budget}]"
+        if event.complete and event.throughput is not None and event.val_loss is not None:
+            mark = "~" if event.val_loss_from else ""  # the val_loss of another trial
+            efficiency = (
+                f", efficiency {event.loader_efficiency:.0%}" if event.loader_efficiency else ""
+            )
+            self._line(
+                f"trial #{event.number} {progress} {event.throughput:,.0f} samples/s, val_loss"
+                f" {event.val_loss:.4f}{mark}{efficiency}, {event.duration_s:.1f} s: {settings}"
+            )
+        else:
+            self._line(
+                f"trial #{event.number} {progress} {event.state} ({event.duration_s:.1f} s):"
+                f" {settings}: {event.failure or ''}"
+            )
+            if event.hint:
+                self._line(f"  hint: {event.hint}")
+
+    def warning(self, what: str) -> None:
+        self._line(f"warning: {what}")
 
 
 @dataclass(frozen=True)

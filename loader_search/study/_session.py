@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
-from loader_search.study._events import NullReporter, Reporter, Session, StudyInfo
+from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
 from loader_search.study._heartbeats import RetryStaleTrial
 from loader_search.study._keys import (
     BUDGET_ATTR,
@@ -157,6 +157,14 @@ def _quiet_optuna() -> Iterator[None]:
         optuna.logging.set_verbosity(verbosity)
 
 
+def _reporter(reporter: Reporter | None, quiet: bool) -> Reporter:
+    """Who hears a study's progress: the caller's ``reporter``, else plain lines on standard
+    error (a notebook or a script shows them), else, ``quiet``, nobody."""
+    if reporter is not None:
+        return reporter
+    return NullReporter() if quiet else LineReporter()
+
+
 def run_study(
     config: StudyConfig,
     *,
@@ -167,6 +175,7 @@ def run_study(
     cpus: Sequence[int] | None = None,
     gpu: int | None = None,
     allow_mixed_hardware: bool = False,
+    quiet: bool = False,
 ) -> StudySummary:
     """Create (or continue) the study ``config`` describes, run it, and summarise it.
 
@@ -175,8 +184,12 @@ def run_study(
     without it a new study takes ``config.trials`` and a continued one keeps the budget
     stored with it. ``cpus`` and ``gpu`` pin this process's trials (see `run_worker`).
     Bad input raises `UserError` before anything is stored.
+
+    Progress (each step, each trial's start and result, warnings) is printed as plain lines
+    to standard error (`LineReporter`); ``quiet=True`` prints nothing, and ``reporter``
+    receives it instead (any object with `Reporter`'s methods).
     """
-    reporter = reporter or NullReporter()
+    reporter = _reporter(reporter, quiet)
     with _quiet_optuna():
         info, session = prepare_session(
             config,
@@ -227,6 +240,7 @@ def run_worker(
     gpu: int | None = None,
     allow_mixed_hardware: bool = False,
     allow_plugins: Sequence[str] = (),
+    quiet: bool = False,
 ) -> StudySummary:
     """Join an existing study and run its trials until its budget (shared by every worker)
     is used, ``n_trials`` ran here, or ``timeout_s`` passed.
@@ -242,12 +256,14 @@ def run_worker(
     to it: a workload taken from the study must be a built-in one or a plug-in this machine
     allows (``allow_plugins``, or ``$LOADER_SEARCH_ALLOW_PLUGINS``), checked before anything
     is imported. A ``config`` or ``workload`` passed here is this caller's own and trusted.
+
+    Progress is printed as `run_study` prints it (``quiet``, ``reporter``).
     """
     if n_trials is not None and n_trials < 1:
         raise UserError(f"--n-trials {n_trials}: must be at least 1")
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
-    reporter = reporter or NullReporter()
+    reporter = _reporter(reporter, quiet)
     with _quiet_optuna():
         info, session = prepare_session(
             config,
