@@ -7,6 +7,8 @@ or trial process fails the test that leaked it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import signal
@@ -16,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -370,3 +373,87 @@ def test_the_parent_imports_once_what_every_trial_would_import() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+HUNG_RUN_CONFIG = """
+[study]
+name = "hung"
+trials = 3
+[sampler]
+name = "random"
+[workload]
+name = "{workload}"
+[training]
+device = "cpu"
+train_samples = 256
+batch_size = 16
+[space]
+batch_size = [16]
+num_workers = 1
+prefetch_factor = 2
+persistent_workers = false
+"""
+
+
+def _host_lock_free(folder: Path) -> bool:
+    fd = os.open(folder / "host.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases it
+    return True
+
+
+def test_a_killed_run_leaves_no_loader_worker_holding_the_host_lock(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """``kill -9`` of a ``run`` whose trial's loader worker hangs in the dataset. Before, the
+    worker lived on under init with a copy of the host lock, and every later trial on the
+    machine waited for it."""
+    locks = tmp_path / "locks"
+    config = tmp_path / "hung.toml"
+    # Trial #0 (the baseline, no workers) trains; trial #1's worker hangs at its first sample.
+    config.write_text(HUNG_RUN_CONFIG.format(workload=f"{ROOT / 'tests' / '_faults.py'}:hang"))
+    env = {k: v for k, v in os.environ.items() if k != "LOADER_SEARCH_STORAGE"}
+    env["LOADER_SEARCH_LOCK_DIR"] = str(locks)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "loader_search", "run", str(config), "--storage", sqlite_url],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.ppid() != run.pid for p in tree):  # a loader worker of a trial
+            if run.poll() is not None:
+                pytest.fail(f"the run ended early: {run.communicate()[1]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no trial started a loader worker within 120 s")
+            time.sleep(0.2)
+            with contextlib.suppress(psutil.Error):
+                tree = psutil.Process(run.pid).children(recursive=True)
+        time.sleep(1.0)  # the worker is blocked in the dataset now
+        assert not _host_lock_free(locks)
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while not (_host_lock_free(locks) and all(_gone(p.pid) for p in tree)):
+            if time.monotonic() > deadline:
+                alive = [p.pid for p in tree if not _gone(p.pid)]
+                pytest.fail(
+                    f"30 s after the kill: host lock free {_host_lock_free(locks)},"
+                    f" processes of the run alive {alive}"
+                )
+            time.sleep(0.2)
+    finally:
+        run.kill()
+        for proc in tree:  # what the run left, before the fix
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        run.communicate()

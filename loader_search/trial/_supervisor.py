@@ -24,7 +24,10 @@ has three traps, each handled here:
 
 The child runs in a process group of its own: Ctrl-C in a terminal reaches only the parent,
 which then kills the whole group (the child and its loader workers) and re-raises. The child
-also asks the kernel to kill it should the parent die (``PR_SET_PDEATHSIG``).
+also asks the kernel to kill it should the parent die (``PR_SET_PDEATHSIG``), and its loader
+workers ask the same of the child (`loader_search.trial._loader.WorkerStart`). The child closes
+its copies of the parent's host lock (`close_inherited_locks`) before it forks any worker: a
+worker that outlived a killed run kept the lock, and the machine, for good.
 
 Where fork is not available (not Linux) trials run in-process, classified the same way, but
 without the timeout, the memory limit, CPU pinning or GPU pinning.
@@ -50,6 +53,7 @@ import psutil
 
 from loader_search import interrupts
 from loader_search.params import TrialLimits
+from loader_search.team._lockfiles import close_inherited_locks
 from loader_search.trial._failures import (
     HOST_OOM,
     TIMEOUT,
@@ -330,6 +334,7 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: terminal Ctrl-C reaches the parent only
     _die_with_parent(parent_pid)
+    close_inherited_locks()  # the parent's host lock, which no loader worker may keep
     message: tuple[Any, ...]
     try:
         device = job.device
@@ -375,8 +380,9 @@ class _ProgressPing:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when the thread that forked it dies (PR_SET_PDEATHSIG):
-    a parent killed outright must not leave a trial training. Loader workers notice their
-    parent's death themselves."""
+    a parent killed outright must not leave a trial training. Loader workers ask the same of
+    the trial (`loader_search.trial._loader.WorkerStart`): torch's own check, between
+    batches, misses a worker blocked in the dataset."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
