@@ -8,6 +8,7 @@ DataLoader worker process, so the main training process sees what a real one wou
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -205,3 +206,60 @@ def _check_affinity(expected: list[int]) -> Callable[[int], None]:
 def affinity_probe(cpus: list[int]) -> Workload:
     """Raises unless the process loading the data may run on exactly ``cpus``."""
     return _workload("affinity-probe", FaultyDataset(_check_affinity(sorted(cpus))))
+
+
+def _hang_after(samples: int) -> Callable[[int], None]:
+    loaded = [0]  # per process: each loader worker counts its own
+
+    def fault(index: int) -> None:
+        loaded[0] += 1
+        if loaded[0] > samples:
+            time.sleep(3600)
+
+    return fault
+
+
+def main_segfault_beside_hung_worker() -> Workload:
+    """The training process dies of SIGSEGV in its first forward pass while its loader worker
+    is blocked in the dataset (it loads one batch of 16, then hangs)."""
+    return _workload(
+        "main-segfault-hung-worker",
+        FaultyDataset(_hang_after(16), in_worker_only=True),
+        model_fault=_signal_main(signal.SIGSEGV),
+    )
+
+
+def _segfault_after(samples: int) -> Callable[[int], None]:
+    loaded = [0]  # per process
+
+    def fault(index: int) -> None:
+        loaded[0] += 1
+        if loaded[0] > samples:
+            time.sleep(0.5)  # the training process is in its first forward pass by then
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+    return fault
+
+
+def _swallow_first_call() -> Callable[[], None]:
+    calls = [0]
+
+    def fault() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            with contextlib.suppress(Exception):  # a library's broad except
+                time.sleep(5)
+
+    return fault
+
+
+def worker_segfault_report_lost() -> Workload:
+    """A loader worker dies of SIGSEGV while the training process runs code that swallows
+    exceptions: torch's report of the death (a RuntimeError raised from its SIGCHLD handler,
+    wherever the main thread is) is lost there, and the training waits for torch's next
+    check, 5 s later. The worker loads one batch of 16, then crashes during the first step."""
+    return _workload(
+        "worker-segfault-report-lost",
+        FaultyDataset(_segfault_after(16), in_worker_only=True),
+        model_fault=_swallow_first_call(),
+    )

@@ -375,6 +375,50 @@ def test_the_parent_imports_once_what_every_trial_would_import() -> None:
     assert done.stdout.strip() == "True"
 
 
+CRASHES_BESIDE_WORKERS = {
+    # Before: recorded `timeout` after the 8 s trial timeout (the blocked worker kept the
+    # pipes that tell the child's end open), and `crashed` after 5.1 s with an idle worker.
+    "a worker blocked in the dataset": _faults.main_segfault_beside_hung_worker,
+    "an idle worker": _faults.main_segfault,
+}
+
+
+@pytest.mark.parametrize("name", list(CRASHES_BESIDE_WORKERS))
+def test_a_crash_of_the_training_process_is_seen_at_once_beside_its_workers(name: str) -> None:
+    workload = CRASHES_BESIDE_WORKERS[name]()
+    outcome = _isolated(workload, ONE_WORKER, limits=TrialLimits(trial_timeout_s=8))
+    failure = outcome.failure
+    assert failure is not None and failure.reason == CRASHED, failure
+    assert "SIGSEGV" in failure.message
+    assert outcome.exitcode == -signal.SIGSEGV
+    assert outcome.wall_s < 4, f"the crash was seen after {outcome.wall_s:.1f} s"
+
+
+def test_a_dead_loader_worker_is_recorded_though_its_report_was_lost() -> None:
+    # The training process swallows torch's RuntimeError for the dead worker, then waits 5 s
+    # for torch's next check: the 3 s trial timeout comes first. Before: `timeout`.
+    outcome = _isolated(
+        _faults.worker_segfault_report_lost(), ONE_WORKER, limits=TrialLimits(trial_timeout_s=3)
+    )
+    failure = outcome.failure
+    assert failure is not None and failure.reason == WORKER_KILLED, failure
+    assert "is killed by signal: Segmentation fault" in failure.message
+    assert "num_workers=0" in failure.hint
+
+
+def test_a_loader_worker_segfault_is_worker_killed_every_time_under_a_short_timeout() -> None:
+    # Torch's report can land in code that swallows it (its own profiler import did): before,
+    # 2 of 8 such trials with a 1 s timeout were recorded `timeout`.
+    params = LoaderParams(
+        16, num_workers=4, prefetch_factor=1, persistent_workers=True, torch_threads=1
+    )
+    reasons = [
+        _isolated(_faults.worker_segfault(), params, limits=TrialLimits(trial_timeout_s=3))
+        for _ in range(6)
+    ]
+    assert [o.failure.reason for o in reasons if o.failure] == [WORKER_KILLED] * 6
+
+
 HUNG_RUN_CONFIG = """
 [study]
 name = "hung"

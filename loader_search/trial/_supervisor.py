@@ -193,8 +193,7 @@ class _Supervisor:
 
     def __init__(self, limits: TrialLimits) -> None:
         self.limits = limits
-        self.killed_for: str | None = None
-        self.kill_message = ""
+        self.killed: TrialFailure | None = None  # why the parent killed the trial
         self.reaped = False
 
     def run(self, job: TrialJob) -> TrialOutcome:
@@ -259,14 +258,10 @@ class _Supervisor:
                     break
                 last_progress = now
                 continue
-            if process.sentinel in ready:
+            if process.sentinel in ready or _exited(process):
                 break
             if now - last_progress > limits.trial_timeout_s:
-                self._kill(
-                    process,
-                    TIMEOUT,
-                    f"no training progress for {limits.trial_timeout_s:g} s; the trial was killed",
-                )
+                self._kill_silent(process, limits.trial_timeout_s)
                 break
             if limits.memory_limit_bytes is not None and now >= next_memory_check:
                 next_memory_check = now + MEMORY_POLL_S
@@ -274,14 +269,21 @@ class _Supervisor:
                 if used > limits.memory_limit_bytes:
                     self._kill(
                         process,
-                        HOST_OOM,
-                        f"the trial used {_gib(used)} of host memory (PSS of the training"
-                        f" process and its loader workers), above the limit of"
-                        f" {_gib(limits.memory_limit_bytes)}; the trial was killed",
+                        failure_for(
+                            HOST_OOM,
+                            f"the trial used {_gib(used)} of host memory (PSS of the training"
+                            f" process and its loader workers), above the limit of"
+                            f" {_gib(limits.memory_limit_bytes)}; the trial was killed",
+                        ),
                     )
                     break
-        while message is None and self.killed_for is None and reader.poll():
-            # What the child sent before it exited (the sentinel and the pipe race).
+        if message is None and self.killed is None:
+            # The child has ended. What it sent before is still in the pipe, but its loader
+            # workers may hold the pipe open: they die first, so that a message cut short by
+            # the child's death reads as the end of the pipe instead of blocking.
+            self._reap(process)
+        while message is None and self.killed is None and reader.poll():
+            # What the child sent before it exited (the exit and the pipe race).
             try:
                 received = reader.recv()
             except EOFError:
@@ -289,8 +291,7 @@ class _Supervisor:
             if received[0] in ("result", "failure"):
                 message, sent_at, received_at = received, received[2], time.perf_counter()
         if message is not None:
-            # Waits for the exit without reaping: see `_kill_tree`.
-            wait([process.sentinel], timeout=_EXIT_GRACE_S)
+            _wait_for_exit(process, _EXIT_GRACE_S)
         if received_at == 0.0:
             received_at = time.perf_counter()
         # Leftovers (a worker the child did not shut down) die with the trial.
@@ -302,8 +303,8 @@ class _Supervisor:
             result, outcome_failure = message[1], None
         elif message is not None:
             outcome_failure = message[1]
-        elif self.killed_for is not None:
-            outcome_failure = failure_for(self.killed_for, self.kill_message)
+        elif self.killed is not None:
+            outcome_failure = self.killed
         else:
             outcome_failure = classify_exit(process.exitcode)
         return TrialOutcome(
@@ -316,9 +317,21 @@ class _Supervisor:
             exitcode=process.exitcode,
         )
 
-    def _kill(self, process: ForkProcess, reason: str, message: str) -> None:
-        self.killed_for = reason
-        self.kill_message = message
+    def _kill_silent(self, process: ForkProcess, timeout_s: float) -> None:
+        """Kill a trial that made no progress for ``timeout_s``: a timeout, unless a loader
+        worker of it has died, which is then what stopped the training (see
+        `_dead_worker_failure`)."""
+        dead = _dead_worker_failure(process.pid)  # type: ignore[arg-type]
+        self._kill(
+            process,
+            dead
+            or failure_for(
+                TIMEOUT, f"no training progress for {timeout_s:g} s; the trial was killed"
+            ),
+        )
+
+    def _kill(self, process: ForkProcess, failure: TrialFailure) -> None:
+        self.killed = failure
         self._reap(process)
 
     def _reap(self, process: ForkProcess) -> None:
@@ -435,6 +448,87 @@ def _kill_tree(process: ForkProcess) -> None:
             proc.kill()
     process.join()
     psutil.wait_procs(descendants, timeout=5)
+
+
+def _exited(process: ForkProcess) -> bool:
+    """Whether the child has ended, asked without reaping it (see `_kill_tree`).
+
+    Its sentinel and its end of the pipe do not say so by themselves: the loader workers it
+    forked inherited both, and a worker blocked in the dataset kept them open, so that a crash
+    of the training process was seen only at the trial timeout (or after 5 s, when an idle
+    worker noticed its parent was gone)."""
+    pid: int = process.pid  # type: ignore[assignment]
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already
+        return True
+    return found is not None
+
+
+def _wait_for_exit(process: ForkProcess, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the child to end by itself, without reaping it."""
+    deadline = time.perf_counter() + timeout_s
+    while not _exited(process):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        wait([process.sentinel], timeout=min(_POLL_S, left))
+
+
+def _dead_worker_failure(pid: int) -> TrialFailure | None:
+    """The failure of a loader worker of the trial process ``pid`` that has died and is not
+    yet reaped (a zombie): killed by a signal other than SIGTERM (which torch sends to the
+    workers it shuts down), or ended with an error code. None if there is none.
+
+    Torch reports a worker's death in the training process by raising from its SIGCHLD
+    handler, wherever the main thread happens to be; library code that swallows exceptions
+    there (torch's own profiler import does) loses it, and the training then waits 5 s for
+    torch's next check. A shorter trial timeout used to record such a trial as a ``timeout``
+    (2 of 8 runs with 4 workers and a 1 s timeout). The failure is worded as torch words it,
+    so it is classified as if torch had raised it (SIGKILL is then ``host_oom``, SIGBUS a
+    full /dev/shm).
+    """
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return None
+    for child in children:
+        status = _zombie_status(child.pid)
+        if status is None or status == 0:
+            continue
+        number = status & 0x7F
+        if number == signal.SIGTERM:
+            continue
+        if number:
+            text = f"is killed by signal: {_strsignal(number)}."
+        else:
+            text = f"exited unexpectedly with exit code {status >> 8}."
+        return classify_exception(RuntimeError(f"DataLoader worker (pid {child.pid}) {text}"))
+    return None
+
+
+def _zombie_status(pid: int) -> int | None:
+    """The wait status of ``pid`` if it is a zombie (``exit_code``, field 52 of
+    ``/proc/PID/stat``), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
+            text = file.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # from field 3, the state
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    try:
+        return int(fields[49])
+    except ValueError:
+        return None
+
+
+def _strsignal(number: int) -> str:
+    try:
+        return signal.strsignal(number) or f"signal {number}"
+    except ValueError:
+        return f"signal {number}"
 
 
 def _tree_pss(pid: int) -> int:
