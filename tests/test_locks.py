@@ -287,15 +287,101 @@ def test_a_process_refuses_a_configured_lock_folder_another_user_owns(sticky: Pa
 
 
 @needs_a_second_user
-def test_the_sqlite_study_lock_never_follows_a_planted_symlink(sticky: Path, victim: Path) -> None:
-    _as_nobody("ln", "-s", str(victim), f"{sticky}/study.db.loader-search.lock")
-    engine = sqlalchemy.create_engine(f"sqlite:///{sticky / 'study.db'}")
+def test_the_sqlite_study_lock_never_follows_a_planted_symlink(
+    sticky: Path, victim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_DIR_ENV, str(sticky))
+    database = tmp_path / "study.db"
+    name = locks.sqlite_lock_name(str(database))
+    _as_nobody("ln", "-s", str(victim), f"{sticky}/{name}")
+    engine = sqlalchemy.create_engine(f"sqlite:///{database}")
     with (
-        pytest.raises(UserError, match=r"study\.db\.loader-search\.lock is a symlink"),
+        pytest.raises(UserError, match=rf"{re.escape(name)} is a symlink"),
         study_lock(engine, 1),
     ):
         pass
     assert _mode(victim) == 0o600
+
+
+@needs_a_second_user
+def test_another_users_sqlite_study_lock_file_is_refused_in_one_line(
+    sticky: Path, shared_tmp: Path
+) -> None:
+    database = shared_tmp / "study.db"
+    planted = sticky / locks.sqlite_lock_name(str(database))
+    planted.touch()
+    planted.chmod(0o644)  # root's: nobody cannot lock it
+    code = (
+        "import sys, sqlalchemy\n"
+        "from loader_search.team._locks import study_lock\n"
+        "with study_lock(sqlalchemy.create_engine(sys.argv[1]), 1): pass"
+    )
+    assert SETPRIV is not None
+    result = subprocess.run(
+        [
+            *(SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"),
+            *(sys.executable, "-c", code, f"sqlite:///{database}"),
+        ],
+        env={**os.environ, LOCK_DIR_ENV: str(sticky)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert f"UserError: the study lock file {planted} is not writable by you" in result.stderr
+
+
+# Holds the SQLite study lock of argv[1] until its stdin closes.
+_SQLITE_HOLDER = """
+import sys, sqlalchemy
+from loader_search.team._locks import study_lock
+with study_lock(sqlalchemy.create_engine(sys.argv[1]), 1):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_the_sqlite_study_lock_excludes_processes_however_they_name_the_file(
+    tmp_path: Path, private_lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # for the relative spelling
+    data = tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "alias").symlink_to(data)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _SQLITE_HOLDER, f"sqlite:///{data / 'study.db'}"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "held\n"
+        # The same file through a symlinked folder, and relative to another working folder.
+        for url in (f"sqlite:///{tmp_path / 'alias' / 'study.db'}", "sqlite:///data/study.db"):
+            name = locks.sqlite_lock_name(sqlalchemy.make_url(url).database or "")
+            assert name == locks.sqlite_lock_name(str(data / "study.db"))
+        engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'alias' / 'study.db'}")
+        got = threading.Event()
+
+        def take() -> None:
+            with study_lock(engine, 1):
+                got.set()
+
+        thread = threading.Thread(target=take)
+        thread.start()
+        assert not got.wait(1.0)  # the other process holds it
+        holder.stdin.close()  # it lets go
+        assert got.wait(10)
+        thread.join()
+    finally:
+        holder.kill()
+        holder.wait()
+    # Nothing beside the database; the lock file lives in the lock folder.
+    assert sorted(os.listdir(data)) == []
+    assert (private_lock_dir / locks.sqlite_lock_name(str(data / "study.db"))).is_file()
 
 
 # A holder that prints its pid, takes the host lock when told to, and holds it until its stdin

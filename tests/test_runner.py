@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import optuna
 import pytest
@@ -236,3 +238,13 @@ def test_the_study_records_the_machine_it_is_bound_to(
     assert attrs["optuna_version"] == optuna.__version__
     for key in ("python_version", "trial_budget", "fingerprint"):
         assert key in attrs, key
+
+
+def test_a_study_leaves_nothing_beside_its_database_but_the_database(
+    tiny_workload: Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default storage, in the working folder, where a user would commit a stray file.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LOADER_SEARCH_STORAGE", raising=False)
+    run_study(CONFIG, workload=tiny_workload, n_trials=1, quiet=True)
+    assert sorted(os.listdir(tmp_path)) == ["loader_search.db"]

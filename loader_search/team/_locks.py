@@ -15,8 +15,11 @@ trial that has to wait is told who holds the lock (`loader_search.team._holders`
 
 *Study lock* (between workers on any machine): counting a study's budget and taking the next
 trial must be one step, or two workers that both see "one trial left" run two. The database
-itself provides it: ``pg_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on MySQL/MariaDB, and a
-``flock`` beside the file for SQLite (workers on one machine).
+itself provides it: ``pg_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on MySQL/MariaDB. For
+SQLite (workers on one machine) it is a record lock on a file in the host lock folder, named
+after the database (`sqlite_lock_name`): not beside the database, where it would litter the
+user's folder (and their commits). Processes that share a SQLite file must share the lock
+folder, as they must for the host lock anyway.
 
 A holder that freezes (SIGSTOP, a machine lost without a word) must not stop the team: its
 session would keep the lock until the server notices, hours later. So the lock's session is
@@ -34,6 +37,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import threading
 import time
 import weakref
@@ -45,12 +49,11 @@ import sqlalchemy.exc
 from sqlalchemy.engine import Engine
 
 from loader_search import interrupts
-from loader_search.errors import StudyAborted
+from loader_search.errors import StudyAborted, UserError
 from loader_search.team._holders import describe_holders, holder_note
 from loader_search.team._lockfiles import (
     LOCK_DIR_ENV,
     lock_dir,
-    open_beside,
     open_folder,
     open_lock_file,
 )
@@ -298,14 +301,49 @@ def _study_lock(
         # A POSIX record lock (lockf), not flock: a trial forked while this thread holds it
         # must not inherit it (flock locks belong to the open file, which the child shares).
         # Record locks do not exclude threads of one process: the thread lock does that.
-        path = f"{database}.loader-search.lock"
-        with _MEMORY_LOCKS.setdefault(path, threading.Lock()):
-            fd = open_beside(path)
+        name = sqlite_lock_name(database)
+        with _MEMORY_LOCKS.setdefault(name, threading.Lock()):
+            fd = _open_sqlite_lock(name)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
                 yield
             finally:
                 os.close(fd)  # releases the record lock
+
+
+def sqlite_lock_name(database: str) -> str:
+    """The name, in the host lock folder, of the study lock of the SQLite file ``database``.
+
+    Every spelling of one file gives the same name: relative or absolute, through symlinks,
+    and through another mount of its folder (a container's): the key is the database's name
+    in its real folder, that folder taken by device and inode. The stem keeps it readable."""
+    real = os.path.realpath(database)
+    folder, base = os.path.split(real)
+    try:
+        info = os.stat(folder)
+        where = f"{info.st_dev}:{info.st_ino}"
+    except OSError:  # no such folder (yet): SQLite cannot open the file either
+        where = folder
+    digest = hashlib.sha256(f"{where}/{base}".encode()).hexdigest()[:16]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", base)[:40]
+    return f"study-{stem}-{digest}.lock"
+
+
+def _open_sqlite_lock(name: str) -> int:
+    """The study lock file ``name`` in the host lock folder, opened for ``lockf`` (which needs
+    it writable) with the folder's care; made writable by every user, like the database a
+    team of users may share."""
+    folder = lock_dir()
+    folder_fd = open_folder(folder)
+    try:
+        return open_lock_file(folder_fd, name, folder / name, os.O_RDWR, share=True)
+    except PermissionError:
+        raise UserError(
+            f"the study lock file {folder / name} is not writable by you (another user made"
+            f" it); remove it, or set {LOCK_DIR_ENV} to a folder you own"
+        ) from None
+    finally:
+        os.close(folder_fd)
 
 
 _TURNS: weakref.WeakKeyDictionary[Engine, dict[int, threading.Lock]] = weakref.WeakKeyDictionary()
