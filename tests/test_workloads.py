@@ -65,7 +65,11 @@ def test_plugin_from_file_and_module(monkeypatch: pytest.MonkeyPatch) -> None:
         ("imagenet", {}, "unknown workload 'imagenet': use one of synthetic-images, digits"),
         ("no_such_module_xyz:build", {}, "no module named 'no_such_module_xyz'"),
         (".my_workload:build", {}, "relative module names do not work here"),
-        ("missing/file.py:build", {}, "file 'missing/file.py' does not exist"),
+        (
+            "missing/file.py:build",
+            {},
+            "file.py' does not exist (a relative path resolves against the current folder)",
+        ),
         (f"{PLUGIN}:nothing", {}, "has no function 'nothing'"),
         (f"{PLUGIN}:not_a_workload", {}, "returned int, not a loader_search.Workload"),
         ("synthetic-images", {"colour": 3}, "does not accept options ['colour']"),

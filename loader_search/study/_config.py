@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from loader_search.errors import ConfigError, UserError
+from loader_search._workload_specs import resolve_paths
+from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import (
     LR_SCALINGS,
     RANGES,
@@ -177,7 +178,17 @@ def load_config(path: str | Path) -> StudyConfig:
     config = parse_config(data, source=source)
     if config.name is None:
         config = replace(config, name=path.stem)
-    return config
+    # Relative paths in the file mean "next to this file", wherever the command runs. The
+    # stored document keeps them as written: a worker resolves them against its own folder.
+    folder = path.parent.absolute()
+    spec, options = resolve_paths(config.workload, config.workload_options, folder)
+    module_part = spec.rpartition(":")[0]
+    if spec != config.workload and not Path(module_part).is_file():
+        raise UserError(
+            f"{source}: workload.name = {show_value(config.workload)}: no file {module_part!r}"
+            f" (a relative path resolves against the config file's folder, {str(folder)!r})"
+        )
+    return replace(config, workload=spec, workload_options=options)
 
 
 def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConfig:

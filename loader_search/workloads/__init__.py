@@ -12,26 +12,30 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from loader_search._workload_specs import (
+    BUILTIN_WORKLOADS,
+    PATH_OPTIONS,
+    is_file,
+    plugin_key,
+    resolve_paths,
+)
 from loader_search.errors import UserError
 from loader_search.workloads._base import Workload, sgd_momentum
 
 __all__ = [
     "ALLOW_PLUGINS_ENV",
     "BUILTIN_WORKLOADS",
+    "PATH_OPTIONS",
     "Workload",
     "check_allowed",
     "check_workload",
     "load_workload",
     "resolve_factory",
+    "resolve_paths",
     "sgd_momentum",
 ]
 
 WorkloadFactory = Callable[..., Workload]
-
-BUILTIN_WORKLOADS: dict[str, str] = {
-    "synthetic-images": "loader_search.workloads.synthetic_images:synthetic_images",
-    "digits": "loader_search.workloads.digits:digits",
-}
 
 _FORMS = (
     f"use one of {', '.join(BUILTIN_WORKLOADS)}, 'package.module:factory'"
@@ -40,15 +44,6 @@ _FORMS = (
 
 
 ALLOW_PLUGINS_ENV = "LOADER_SEARCH_ALLOW_PLUGINS"
-
-
-def _plugin_key(spec: str) -> str:
-    """``spec`` in the form two names of one plug-in share: a file plug-in by its real path
-    (``./my.py:f`` and ``/abs/my.py:f`` are one), a module plug-in as written."""
-    module_part, sep, attr = spec.strip().rpartition(":")
-    if sep and (module_part.endswith(".py") or "/" in module_part or "\\" in module_part):
-        return f"{os.path.realpath(module_part)}:{attr}"
-    return spec.strip()
 
 
 def check_allowed(spec: str, allowed: Iterable[str] = ()) -> None:
@@ -63,8 +58,8 @@ def check_allowed(spec: str, allowed: Iterable[str] = ()) -> None:
     if spec in BUILTIN_WORKLOADS:
         return
     from_env = os.environ.get(ALLOW_PLUGINS_ENV, "").split(",")
-    keys = {_plugin_key(entry) for entry in [*allowed, *from_env] if entry.strip()}
-    if _plugin_key(spec) in keys:
+    keys = {plugin_key(entry) for entry in [*allowed, *from_env] if entry.strip()}
+    if plugin_key(spec) in keys:
         return
     shown = spec if len(spec) <= 200 else spec[:200] + "..."
     raise UserError(
@@ -81,7 +76,7 @@ def resolve_factory(spec: str) -> WorkloadFactory:
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
         raise UserError(f"unknown workload {spec!r}: {_FORMS}")
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+    if is_file(module_part):
         module = _import_file(spec, Path(module_part))
     else:
         if module_part.startswith("."):
@@ -112,7 +107,12 @@ def resolve_factory(spec: str) -> WorkloadFactory:
 
 def _import_file(spec: str, path: Path) -> Any:
     if not path.is_file():
-        raise UserError(f"workload {spec!r}: file {str(path)!r} does not exist")
+        relative = (
+            "" if path.is_absolute() else " (a relative path resolves against the current folder)"
+        )
+        raise UserError(
+            f"workload {spec!r}: file {str(path.absolute())!r} does not exist{relative}"
+        )
     name = f"loader_search_user_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
