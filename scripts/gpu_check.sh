@@ -8,7 +8,9 @@
 #      then baseline, rule of thumb and recommendation side by side with their ceilings;
 #   3. `python -m benchmarks claims --config studies/gpu.toml --studies 2`: two studies' claimed
 #      speedups (paired confirmation, 95% CI) against a side-by-side measurement afterwards;
-#   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml).
+#   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml);
+#   5. the ImageNet-like reference (studies/imagenet-like.toml, issue 15): `make-images`, then
+#      a real study of a ResNet-18 on 224px crops and the same side by side as in 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -46,6 +48,19 @@ python3 -m loader_search run scripts/gpu_oom.toml --storage "sqlite:///$OUT/oom.
   > "$OUT/oom.log" 2>&1
 echo "oom study exit $?"; tail -30 "$OUT/oom.log"
 
+step "ImageNet-like reference (studies/imagenet-like.toml: ResNet-18 on 224px crops of JPEGs)"
+# Needs torchvision: when the machine lacks it, add the wheel made for its torch to .whl/
+# (../shared/device/prepare-wheels.sh 'torchvision==X.Y.Z').
+if python3 -c 'import torchvision' > "$OUT/imagenet.log" 2>&1; then
+  python3 -m loader_search make-images data/imagenet-like > "$OUT/make-images.log" 2>&1
+  echo "make-images exit $?"; tail -1 "$OUT/make-images.log"
+  python3 -m benchmarks speedup --config studies/imagenet-like.toml --rounds 3 \
+    --out "$OUT/imagenet" > "$OUT/imagenet.log" 2>&1
+  echo "imagenet-like exit $?"; tail -40 "$OUT/imagenet.log"
+else
+  echo "torchvision does not import here: skipped"; tail -3 "$OUT/imagenet.log"
+fi
+
 step "summary"
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -54,24 +69,27 @@ import optuna
 out = Path(sys.argv[1])
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 rows = []
-try:
-    result = json.loads((out / "speedup" / "speedup.json").read_text())["speedup"]
-    for name, c in result["contenders"].items():
-        rows.append(f"{name:<14} {c['throughput']:>9,.0f} samples/s  spread {c['spread']:4.0%}"
-                    f"  ceiling {c['ceiling']:>10,.0f}  efficiency {c['efficiency']:5.1%}  {c['params']}")
-    cost = result["cost"]
-    rows.append(f"speedup vs baseline {result['speedup_vs_baseline']:.2f}x, vs rule of thumb"
-                f" {result['speedup_vs_rule']:.2f}x; study {cost['study_wall_s']:.0f} s,"
-                f" {cost['trials']} trials, {cost['stopped_early']} stopped early")
-    study = optuna.load_study(study_name="gpu", storage=f"sqlite:///{out}/speedup/speedup.db")
-    for t in study.trials:
-        a = t.user_attrs
-        if t.values:
-            rows.append(f"  #{t.number:<3} {t.values[0]:>9,.0f}/s val {t.values[1]:.4f}"
-                        f" wait {a.get('data_wait_fraction', 0):.2f} eff {a.get('loader_efficiency', 0):.3f}"
-                        f" gpu {a.get('peak_gpu_bytes', 0) / 2**30:.2f} GiB {a.get('loader_params')}")
-except Exception as exc:
-    rows.append(f"speedup: no result ({exc!r})")
+for folder, study_name in (("speedup", "gpu"), ("imagenet", "imagenet-like")):
+    rows.append(f"--- {study_name}")
+    try:
+        result = json.loads((out / folder / "speedup.json").read_text())["speedup"]
+        for name, c in result["contenders"].items():
+            rows.append(f"{name:<14} {c['throughput']:>9,.0f} samples/s  spread {c['spread']:4.0%}"
+                        f"  ceiling {c['ceiling']:>10,.0f}  efficiency {c['efficiency']:5.1%}  {c['params']}")
+        cost = result["cost"]
+        rows.append(f"speedup vs baseline {result['speedup_vs_baseline']:.2f}x, vs rule of thumb"
+                    f" {result['speedup_vs_rule']:.2f}x; study {cost['study_wall_s']:.0f} s,"
+                    f" {cost['trials']} trials, {cost['stopped_early']} stopped early")
+        storage = f"sqlite:///{out}/{folder}/speedup.db"
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        for t in study.trials:
+            a = t.user_attrs
+            if t.values:
+                rows.append(f"  #{t.number:<3} {t.values[0]:>9,.0f}/s val {t.values[1]:.4f}"
+                            f" wait {a.get('data_wait_fraction', 0):.2f} eff {a.get('loader_efficiency', 0):.3f}"
+                            f" gpu {a.get('peak_gpu_bytes', 0) / 2**30:.2f} GiB {a.get('loader_params')}")
+    except Exception as exc:
+        rows.append(f"{study_name}: no result ({exc!r})")
 try:
     claims = json.loads((out / "claims" / "claims.json").read_text())["claims"]
     for c in claims["studies"]:
