@@ -202,15 +202,3 @@ def _check_lock_file(shown: Path, info: os.stat_result) -> None:
             else "not a file"
         )
         raise UserError(f"the lock file {shown} is {kind}, not a regular file; remove it")
-
-
-def open_beside(path: str) -> int:
-    """The SQLite study lock file ``path`` (beside the database, where the user chose),
-    opened read-write for ``lockf`` with the same care as the host lock files, and created
-    with the umask's mode: it is shared like the database file itself."""
-    folder, name = os.path.split(path)
-    folder_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        return open_lock_file(folder_fd, name, Path(path), os.O_RDWR, share=False)
-    finally:
-        os.close(folder_fd)
