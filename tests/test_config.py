@@ -24,7 +24,7 @@ def test_quickstart_parses() -> None:
 
 
 def test_every_shipped_study_config_parses() -> None:
-    paths = sorted((ROOT / "studies").glob("*.toml"))
+    paths = sorted([*(ROOT / "studies").glob("*.toml"), *(ROOT / "scripts").glob("*.toml")])
     assert paths
     for path in paths:
         assert isinstance(load_config(path), StudyConfig)
