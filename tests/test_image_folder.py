@@ -284,13 +284,17 @@ def test_a_study_runs_on_a_folder_with_a_five_line_config(
     assert stored["config"]["workload"]["options"]["root"] == "../data"  # as written
 
 
-def test_relative_plugin_paths_resolve_against_the_config_folder(tmp_path: Path) -> None:
+def test_relative_plugin_paths_resolve_against_the_config_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "mine"
     folder.mkdir()
-    (folder / "mydata.py").write_text("N = 64\n")
+    (folder / "config_folder_data.py").write_text("N = 64\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the plug-in's folder goes on it
+    monkeypatch.delitem(sys.modules, "config_folder_data", raising=False)
     (folder / "plug.py").write_text(
         "import torch\nfrom torch.utils.data import TensorDataset\n"
-        "from mydata import N\n"  # a module beside the plug-in
+        "from config_folder_data import N\n"  # a module beside the plug-in
         "from loader_search import Workload\n"
         "def build() -> Workload:\n"
         "    x = torch.randn(N, 4); y = (x.sum(1) > 0).long()\n"
