@@ -50,7 +50,7 @@ echo "oom study exit $?"; tail -30 "$OUT/oom.log"
 
 step "ImageNet-like reference (studies/imagenet-like.toml: ResNet-18 on 224px crops of JPEGs)"
 # Needs torchvision: when the machine lacks it, add the wheel made for its torch to .whl/
-# (../shared/device/prepare-wheels.sh 'torchvision==X.Y.Z').
+# (../shared/device/prepare-wheels.sh 'torchvision==X.Y.Z'; torch 2.11 pairs with 0.26.0).
 if python3 -c 'import torchvision' > "$OUT/imagenet.log" 2>&1; then
   python3 -m loader_search make-images data/imagenet-like > "$OUT/make-images.log" 2>&1
   echo "make-images exit $?"; tail -1 "$OUT/make-images.log"
