@@ -151,6 +151,11 @@ class LoaderParams:
     The invariants mirror PyTorch's own argument rules, so an instance always builds a loader
     that iterates: ``prefetch_factor`` and ``persistent_workers`` exist only with workers
     (``prefetch_factor=0`` passes the DataLoader constructor but fails on iteration).
+
+    ``batch_size`` is the effective batch, what one optimizer step averages over (what
+    convergence sees, and what the learning rate is scaled for). With ``accumulation_steps``
+    above 1 it is trained as that many micro-batches of `micro_batch_size`, the DataLoader's
+    ``batch_size`` (what memory and speed see), with the gradients accumulated.
     """
 
     batch_size: int
@@ -159,10 +164,16 @@ class LoaderParams:
     pin_memory: bool = False
     persistent_workers: bool = False
     torch_threads: int = 1
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if self.accumulation_steps < 1 or self.batch_size % self.accumulation_steps:
+            raise ValueError(
+                f"accumulation_steps must divide batch_size {self.batch_size}, got"
+                f" {self.accumulation_steps}"
+            )
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.num_workers == 0:
@@ -177,8 +188,16 @@ class LoaderParams:
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
 
+    @property
+    def micro_batch_size(self) -> int:
+        """The DataLoader's batch size: the effective batch over the accumulation steps."""
+        return self.batch_size // self.accumulation_steps
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        if self.accumulation_steps == 1:  # as stored before accumulation existed
+            del values["accumulation_steps"]
+        return values
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> LoaderParams:
@@ -188,7 +207,7 @@ class LoaderParams:
     def loader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.utils.data.DataLoader`` (threads are not a loader arg)."""
         kwargs: dict[str, Any] = {
-            "batch_size": self.batch_size,
+            "batch_size": self.micro_batch_size,
             "num_workers": self.num_workers,
             "pin_memory": self.pin_memory,
         }
@@ -199,7 +218,10 @@ class LoaderParams:
 
     def describe(self) -> str:
         """Short one-line form for logs and progress output."""
-        parts = [f"batch={self.batch_size}", f"workers={self.num_workers}"]
+        batch = f"batch={self.batch_size}"
+        if self.accumulation_steps > 1:
+            batch += f" ({self.accumulation_steps}x{self.micro_batch_size})"
+        parts = [batch, f"workers={self.num_workers}"]
         if self.num_workers > 0:
             parts.append(f"prefetch={self.prefetch_factor}")
             if self.persistent_workers:
@@ -212,6 +234,8 @@ class LoaderParams:
 
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[LrScaling, ...] = ("none", "linear", "sqrt")
+GradientAccumulation = Literal["auto", "off"]
+GRADIENT_ACCUMULATION: tuple[GradientAccumulation, ...] = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -228,11 +252,20 @@ class TrainingSettings:
     seed: int = 0
     # A trial whose batch size was already evaluated stops early (see loader_search.study._plan).
     reuse_val_loss: bool = True
+    # "auto": a batch size that does not fit in memory (measured or inferred) is trained as
+    # micro-batches that fit, with the gradients accumulated; "off": it is infeasible.
+    gradient_accumulation: GradientAccumulation = "auto"
 
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALINGS:
             raise ConfigError(
                 "training.lr_scaling", self.lr_scaling, f"use one of {', '.join(LR_SCALINGS)}"
+            )
+        if self.gradient_accumulation not in GRADIENT_ACCUMULATION:
+            raise ConfigError(
+                "training.gradient_accumulation",
+                self.gradient_accumulation,
+                f"use one of {', '.join(GRADIENT_ACCUMULATION)}",
             )
         check_fields(self, "training")
 
@@ -335,11 +368,34 @@ def dataloader_snippet(
     if lr is not None:
         lines.append(f"# train with lr={lr:.4g} at this batch size (as measured)")
     lines.append(f"torch.set_num_threads({params.torch_threads})")
-    args = [dataset_name, f"batch_size={params.batch_size}", "shuffle=True"]
+    args = [dataset_name, f"batch_size={params.micro_batch_size}", "shuffle=True"]
     args.append(f"num_workers={params.num_workers}")
     if params.num_workers > 0:
         args.append(f"prefetch_factor={params.prefetch_factor}")
         args.append(f"persistent_workers={params.persistent_workers}")
     args.append(f"pin_memory={params.pin_memory}")
     lines.append("loader = DataLoader(\n    " + ",\n    ".join(args) + ",\n)")
+    if params.accumulation_steps > 1:
+        lines.append(accumulation_snippet(params))
     return "\n".join(lines)
+
+
+def accumulation_snippet(params: LoaderParams) -> str:
+    """The training loop of an effective batch trained as accumulated micro-batches: where the
+    loss is scaled and where ``optimizer.step()`` goes."""
+    steps, micro = params.accumulation_steps, params.micro_batch_size
+    return "\n".join(
+        [
+            f"# batch {params.batch_size} = {steps} micro-batches of {micro}, gradients"
+            " accumulated (BatchNorm",
+            f"# statistics are per micro-batch of {micro}, not per batch of {params.batch_size})",
+            f"accumulation_steps = {steps}",
+            "optimizer.zero_grad()",
+            "for i, (inputs, targets) in enumerate(loader):",
+            "    loss = loss_fn(model(inputs), targets) / accumulation_steps",
+            "    loss.backward()",
+            "    if (i + 1) % accumulation_steps == 0:",
+            "        optimizer.step()",
+            "        optimizer.zero_grad()",
+        ]
+    )

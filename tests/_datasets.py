@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -65,5 +66,50 @@ def slow_in_workers(n: int = 256, delay_s: float = 0.005) -> Workload:
         train_dataset=SlowInWorkers(n, delay_s),
         val_dataset=TimedDataset(64),
         make_model=linear_model,
+        base_lr=0.05,
+    )
+
+
+def cap_address_space(headroom_bytes: int) -> None:
+    """Let this process allocate at most ``headroom_bytes`` more than it holds now
+    (``RLIMIT_AS``): a larger allocation then fails in torch's allocator for real."""
+    import resource
+
+    with open("/proc/self/statm") as statm:
+        held = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (held + headroom_bytes, resource.RLIM_INFINITY))
+
+
+class ActivationHungry(nn.Module):
+    """A classifier whose wide hidden layer holds about ``width x 12`` bytes of activations and
+    their gradients per sample, under a real memory limit: on its first forward pass (in the
+    trial's process, never in the study's) it lets itself allocate ``headroom_mb`` more than
+    it holds then (`cap_address_space`). A batch whose activations do not fit then fails in
+    torch's CPU allocator, as a batch does on a device of that size."""
+
+    def __init__(self, width: int, headroom_mb: int) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(16, width)
+        self.out = nn.Linear(width, 2)
+        self.headroom = headroom_mb * 2**20
+        self.limited = headroom_mb <= 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.limited:
+            cap_address_space(self.headroom)
+            self.limited = True
+        out: torch.Tensor = self.out(torch.relu(self.hidden(x)))
+        return out
+
+
+def activation_hungry(
+    n: int = 1024, width: int = 2**15, headroom_mb: int = 0, val_n: int = 128
+) -> Workload:
+    """`TimedDataset` features through `ActivationHungry`; ``headroom_mb`` 0: no limit."""
+    return Workload(
+        name="activation-hungry",
+        train_dataset=TimedDataset(n),
+        val_dataset=TimedDataset(val_n),
+        make_model=functools.partial(ActivationHungry, width, headroom_mb),
         base_lr=0.05,
     )

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from loader_search._workload_specs import resolve_paths
 from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import (
+    GRADIENT_ACCUMULATION,
     LR_SCALINGS,
     RANGES,
     TrainingSettings,
@@ -309,6 +310,9 @@ def _parse_training(table: Table, seed: int) -> TrainingSettings:
         eval_batch_size=table.int("eval_batch_size", defaults.eval_batch_size),
         seed=seed,
         reuse_val_loss=table.bool("reuse_val_loss", defaults.reuse_val_loss),
+        gradient_accumulation=table.string(
+            "gradient_accumulation", defaults.gradient_accumulation, GRADIENT_ACCUMULATION
+        ),
     )
     table.done()
     return settings

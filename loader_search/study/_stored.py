@@ -50,6 +50,12 @@ def fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str,
             "eval_batch_size": config.training.eval_batch_size,
             "seed": config.training.seed,
             "reuse_val_loss": config.training.reuse_val_loss,
+            # Only when off: studies from before accumulation existed keep their fingerprint.
+            **(
+                {"gradient_accumulation": "off"}
+                if config.training.gradient_accumulation == "off"
+                else {}
+            ),
         },
     }
 

@@ -73,7 +73,7 @@ def short_run_samples(
     target = math.ceil(settings.train_samples / 2)
     if train_size is not None and settings.train_samples > train_size:
         target = max(target, train_size + BATCHES_PAST_EPOCH * params.batch_size)
-    minimum = batches_needed(params, settings.warmup_batches) * params.batch_size
+    minimum = batches_needed(params, settings.warmup_batches) * params.micro_batch_size
     return min(settings.train_samples, max(target, minimum))
 
 
@@ -159,12 +159,12 @@ def run_trial(
     device = torch.device(device)
     tick = progress if progress is not None else _no_progress
     warmup = warmup_batches(params, settings.warmup_batches)
-    steps = math.ceil(settings.train_samples / params.batch_size)
+    steps = math.ceil(settings.train_samples / params.micro_batch_size)
     if steps < batches_needed(params, settings.warmup_batches):
         raise ValueError(
             f"train_samples = {settings.train_samples} gives {steps} batches of"
-            f" {params.batch_size}, but {warmup} warm-up + {MIN_MEASURED_BATCHES} measured"
-            " batches are needed; raise train_samples"
+            f" {params.micro_batch_size}, but {warmup} warm-up + {MIN_MEASURED_BATCHES}"
+            " measured batches are needed; raise train_samples"
         )
     lr = scaled_lr(
         settings.lr if settings.lr is not None else workload.base_lr,
@@ -219,13 +219,16 @@ def run_trial(
                 )
             val_loss: float | None = None
             val_accuracy: float | None = None
-            eval_time = 0.0
-            if not plan.stop_early:
-                eval_start = time.perf_counter()
+            eval_start = time.perf_counter()
+            if plan.stop_early:
+                # One evaluation batch, unscored: a setting whose evaluation runs out of
+                # memory must not pass as feasible because it stopped early.
+                _evaluate(model, workload, params, settings, device, tick, max_batches=1)
+            else:
                 val_loss, val_accuracy = _evaluate(model, workload, params, settings, device, tick)
-                eval_time = time.perf_counter() - eval_start
                 if not math.isfinite(val_loss):
                     raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
+            eval_time = time.perf_counter() - eval_start
         # The trial's own peak: the ceiling's extra batches on the device are not the loader's.
         peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ceiling = other_load = None
@@ -308,7 +311,8 @@ def measure_ceiling(
     least ``CEILING_MIN_STEPS`` steps and ``CEILING_MIN_S`` seconds. It trains the model on
     (so it runs after the evaluation).
     """
-    plain = LoaderParams(batch_size=params.batch_size, torch_threads=params.torch_threads)
+    micro = params.micro_batch_size
+    plain = LoaderParams(batch_size=micro, torch_threads=params.torch_threads)
     loader = build_loader(
         workload.train_dataset, plain, shuffle=True, collate_fn=workload.collate_fn
     )
@@ -318,26 +322,34 @@ def measure_ceiling(
         if len(batches) == CEILING_DISTINCT_BATCHES:
             break
     if not batches:
-        raise ValueError(f"the training set has fewer than {params.batch_size} samples")
+        raise ValueError(f"the training set has fewer than {micro} samples")
     sync = _sync_for(device)
     model.train()
+    accumulate = params.accumulation_steps
 
-    def step(i: int) -> int:
+    def step(i: int) -> int:  # one micro-batch; the optimizer steps after each full batch
         inputs, targets = batches[i % len(batches)]
         loss = workload.loss_fn(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        if i % accumulate == 0:
+            optimizer.zero_grad(set_to_none=True)
+        (loss / accumulate if accumulate > 1 else loss).backward()  # type: ignore[no-untyped-call]
+        if i % accumulate == accumulate - 1:
+            optimizer.step()
         progress()
         return len(targets)
 
-    for i in range(CEILING_WARMUP_STEPS):
+    warmup = CEILING_WARMUP_STEPS * accumulate
+    for i in range(warmup):
         step(i)
     sync()
     start = time.perf_counter()
     samples = steps = 0
-    while steps < CEILING_MIN_STEPS or time.perf_counter() - start < CEILING_MIN_S:
-        samples += step(steps)
+    while (
+        steps < CEILING_MIN_STEPS * accumulate
+        or steps % accumulate
+        or time.perf_counter() - start < CEILING_MIN_S
+    ):
+        samples += step(warmup + steps)
         steps += 1
         if steps % CEILING_MIN_STEPS == 0:
             sync()  # the clock must see finished work, not queued work
@@ -366,6 +378,10 @@ def _train(
     iterator = iter(loader)
     epochs = 1
     seen = 0
+    epoch_size = len(loader.dataset)  # type: ignore[arg-type]
+    in_epoch = 0  # samples of this epoch so far
+    batch_left = 0  # samples of the effective batch still to come as micro-batches
+    batch_samples = 0  # what the effective batch averages over
     loss = torch.zeros(())
     first: torch.Tensor | None = None
     in_process = params.num_workers == 0
@@ -376,6 +392,7 @@ def _train(
             timed = next(iterator)
         except StopIteration:  # next epoch: the restart's wait is real loading time
             epochs += 1
+            in_epoch = 0
             iterator = iter(loader)
             timed = next(iterator)
         meter.wait_end()
@@ -388,13 +405,23 @@ def _train(
         inputs = inputs.to(device, non_blocking=params.pin_memory)
         targets = targets.to(device, non_blocking=params.pin_memory)
         stages.copied(time.thread_time() - cpu_before)
+        if batch_left == 0:  # an effective batch begins: as the whole batch's loader cuts it
+            batch_samples = min(params.batch_size, budget - seen, epoch_size - in_epoch)
+            batch_left = batch_samples
+            optimizer.zero_grad(set_to_none=True)
         loss = workload.loss_fn(model(inputs), targets)
         if first is None:
             first = loss.detach()  # the untrained model's loss: before its first step
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        if params.accumulation_steps > 1:  # weighted so that the sum is the batch's mean
+            (loss * (n / batch_samples)).backward()  # type: ignore[no-untyped-call]
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+        batch_left -= n
+        if batch_left <= 0:
+            optimizer.step()
+            batch_left = 0
         seen += n
+        in_epoch += n
         meter.step(n)
         if meter.in_window and not stages.is_open:
             stages.open()  # the same batches as the throughput window
@@ -415,12 +442,15 @@ def _evaluate(
     settings: TrainingSettings,
     device: torch.device,
     progress: Callable[[], None],
+    max_batches: int | None = None,
 ) -> tuple[float, float | None]:
-    """Mean validation loss over all samples (and accuracy for class-index targets)."""
+    """Mean validation loss over all samples (and accuracy for class-index targets); over the
+    first ``max_batches`` only when given."""
+    workers = params.num_workers if max_batches is None else 0  # one batch: no start-up
     eval_params = LoaderParams(
         batch_size=settings.eval_batch_size,
-        num_workers=params.num_workers,
-        prefetch_factor=params.prefetch_factor,
+        num_workers=workers,
+        prefetch_factor=params.prefetch_factor if workers else None,
         pin_memory=params.pin_memory,
         torch_threads=params.torch_threads,
     )
@@ -445,4 +475,6 @@ def _evaluate(
             else:
                 classification = False
             progress()
+            if max_batches is not None and count >= max_batches * settings.eval_batch_size:
+                break
     return total_loss / count, (correct / count if classification else None)
