@@ -73,7 +73,8 @@ class Guide:
     loss_tolerance: float | None = None
 
     def observations(self, trials: Sequence[FrozenTrial]) -> list[Observation]:
-        """Completed, feasible trials of this machine class, as the model reads them."""
+        """Completed, feasible trials of this machine class trained whole, as the model reads
+        them."""
         found = []
         for trial in trials:
             if trial.state != TrialState.COMPLETE or not is_feasible(trial) or not trial.values:
@@ -83,7 +84,9 @@ class Guide:
             ):
                 continue
             params = stored_params(trial)
-            if params is None:
+            # The model's stages are per batch of the DataLoader: a trial that accumulated
+            # micro-batches is measured and recommended, but not modelled.
+            if params is None or params.accumulation_steps > 1:
                 continue
             attrs = trial.user_attrs
             found.append(

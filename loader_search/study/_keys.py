@@ -94,6 +94,11 @@ FAILURE_MESSAGE = "failure_message"
 FAILURE_HINT = "failure_hint"
 FAILURE_TRACEBACK = "failure_traceback"
 INFERRED_FROM = "inferred_from"  # the trial an inferred out-of-memory verdict comes from
+# Gradient accumulation (see loader_search.study._record.fit_in_memory):
+MICRO_BATCH_ATTR = "micro_batch_size"  # the DataLoader's batch size
+ACCUMULATION_ATTR = "accumulation_steps"  # micro-batches per optimizer step
+ACCUMULATION_FROM = "accumulation_from"  # the trial whose out-of-memory made it accumulate
+OOM_ATTEMPTS_ATTR = "oom_attempts"  # micro-batch sizes this trial ran out of memory with
 
 # -- Failure reasons the study layer adds to the trial layer's --
 INFERRED_OOM = "inferred_oom"  # not trained: settings that need more memory than a failed one

@@ -92,7 +92,11 @@ def plan_trial(
         if t.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
             continue
         other = stored_params(t)
-        if other is not None and other.batch_size == params.batch_size:
+        # Accumulated micro-batches see other BatchNorm statistics than the whole batch.
+        if other is not None and (other.batch_size, other.accumulation_steps) == (
+            params.batch_size,
+            params.accumulation_steps,
+        ):
             same_batch.append((t, other))
     evaluated = [t for t, _ in same_batch if VAL_LOSS_ATTR in t.user_attrs]
     pair = [(t, other) for t, other in same_batch if other.torch_threads == params.torch_threads]

@@ -14,6 +14,7 @@ inherits the dead trial's system attributes, constraints included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from loader_search.study._keys import (
     INFERRED_OOM,
     LOADER_EFFICIENCY_ATTR,
     LOST,
+    OOM_ATTEMPTS_ATTR,
     OOM_REASONS,
     PREDICTED_ATTR,
     PREDICTION_ERROR_ATTR,
@@ -60,8 +62,42 @@ class Recorded:
     loader_efficiency: float | None = None
 
 
-def _footprint(params: LoaderParams) -> tuple[int, int]:
-    return params.batch_size, params.num_workers * (params.prefetch_factor or 0)
+# Micro-batches smaller than this are not tried: BatchNorm cannot train on one sample.
+MIN_MICRO_BATCH = 2
+
+
+def footprint(params: LoaderParams) -> tuple[int, int]:
+    """What memory grows with: the micro-batch (the DataLoader's batch size) and the number of
+    micro-batches in flight in the loader."""
+    return params.micro_batch_size, params.num_workers * (params.prefetch_factor or 0)
+
+
+def oom_attempt(params: LoaderParams, failure: TrialFailure) -> dict[str, object]:
+    """One entry of a trial's ``oom_attempts``: a micro-batch that ran out of memory before
+    the trial trained with more accumulation steps."""
+    micro, in_flight = footprint(params)
+    return {"micro_batch_size": micro, "in_flight": in_flight, "reason": failure.reason}
+
+
+def _known_ooms(
+    trials: Sequence[FrozenTrial], hardware_class: str | None
+) -> list[tuple[int, int, int]]:
+    """Every footprint that ran out of memory on this hardware, with the trial that shows it:
+    trials that failed so, and the attempts that trials trained past by accumulating."""
+    known = []
+    for trial in trials:
+        if trial.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
+            continue
+        source = int(trial.user_attrs.get(INFERRED_FROM, trial.number))
+        if trial.user_attrs.get(FAILURE_REASON) in OOM_REASONS:
+            other = stored_params(trial)
+            if other is not None:
+                known.append((*footprint(other), source))
+        attempts = trial.user_attrs.get(OOM_ATTEMPTS_ATTR)
+        for attempt in attempts if isinstance(attempts, list) else ():
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                known.append((int(attempt["micro_batch_size"]), int(attempt["in_flight"]), source))
+    return known
 
 
 def known_failure(
@@ -71,21 +107,12 @@ def known_failure(
     really ran out of memory; or None.
 
     On the same hardware, settings that need at least as much memory as ones that already ran
-    out (same or larger batch size, and same or more ``num_workers * prefetch_factor``
-    batches in flight) would run out again: training them would only cost time.
+    out (same or larger micro-batch, and same or more ``num_workers * prefetch_factor``
+    micro-batches in flight) would run out again: training them would only cost time.
     """
-    batch, in_flight = _footprint(params)
-    for trial in trials:
-        if trial.user_attrs.get(FAILURE_REASON) not in OOM_REASONS:
-            continue
-        if trial.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
-            continue
-        other = stored_params(trial)
-        if other is None:
-            continue
-        other_batch, other_in_flight = _footprint(other)
+    batch, in_flight = footprint(params)
+    for other_batch, other_in_flight, source in _known_ooms(trials, hardware_class):
         if batch >= other_batch and in_flight >= other_in_flight:
-            source = int(trial.user_attrs.get(INFERRED_FROM, trial.number))
             failure = TrialFailure(
                 reason=INFERRED_OOM,
                 message=(
@@ -101,6 +128,30 @@ def known_failure(
     return None
 
 
+def fewer_samples_per_step(params: LoaderParams) -> LoaderParams | None:
+    """``params`` with twice the accumulation steps (half the micro-batch), or None when the
+    micro-batch cannot be halved any more."""
+    steps = params.accumulation_steps * 2
+    if params.batch_size % steps or params.batch_size // steps < MIN_MICRO_BATCH:
+        return None
+    return dataclasses.replace(params, accumulation_steps=steps)
+
+
+def fit_in_memory(
+    trials: Sequence[FrozenTrial], params: LoaderParams, hardware_class: str | None
+) -> tuple[LoaderParams, int | None]:
+    """``params`` with the fewest accumulation steps whose footprint no known out-of-memory
+    failure rules out, with the trial whose failure made it accumulate (None when nothing
+    did); ``params`` unchanged when no micro-batch fits (`known_failure` then says why)."""
+    fitted, source = params, None
+    while (known := known_failure(trials, fitted, hardware_class)) is not None:
+        smaller = fewer_samples_per_step(fitted)
+        if smaller is None:
+            return params, None
+        fitted, source = smaller, known[1]
+    return fitted, source
+
+
 def record(
     study: optuna.Study,
     trial: optuna.Trial,
@@ -108,6 +159,7 @@ def record(
     *,
     reuse: Reuse | None = None,
     inferred_from: int | None = None,
+    extra: dict[str, object] | None = None,
     retry_s: float = 300.0,
     on_retry: Callable[[BaseException, float], None] | None = None,
 ) -> Recorded:
@@ -118,9 +170,10 @@ def record(
 
     Should a sweeper have failed the trial meanwhile (an outage longer than the grace
     period, so its heartbeats stopped), the result cannot be stored: the trial's retry
-    measures it again, and the returned record says so."""
+    measures it again, and the returned record says so. ``extra`` attributes are written
+    with the result, in the same transaction."""
     try:
-        return _record(study, trial, outcome, reuse, inferred_from, retry_s, on_retry)
+        return _record(study, trial, outcome, reuse, inferred_from, extra, retry_s, on_retry)
     except optuna.exceptions.UpdateFinishedTrialError:
         lost = TrialFailure(
             reason=LOST,
@@ -139,6 +192,7 @@ def _record(
     outcome: TrialOutcome,
     reuse: Reuse | None,
     inferred_from: int | None,
+    extra: dict[str, object] | None,
     retry_s: float,
     on_retry: Callable[[BaseException, float], None] | None,
 ) -> Recorded:
@@ -147,7 +201,7 @@ def _record(
     val_loss = None
     val_loss_from: tuple[int, ...] = ()
     efficiency = None
-    attrs: dict[str, object] = {}  # written in one transaction (see `write_user_attrs`)
+    attrs: dict[str, object] = dict(extra or {})  # written in one transaction
     if result is not None:
         attrs.update(result.user_attrs())
         val_loss = result.val_loss

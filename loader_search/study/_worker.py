@@ -50,6 +50,8 @@ from loader_search.study._events import Reporter, Session, TrialEvent
 from loader_search.study._guide import Guide, Proposal
 from loader_search.study._heartbeats import Every, Health, fail_stale_trials
 from loader_search.study._keys import (
+    ACCUMULATION_ATTR,
+    ACCUMULATION_FROM,
     BASELINE_ATTR,
     BUDGET_ATTR,
     CONFIRM_ROUND_ATTR,
@@ -58,8 +60,11 @@ from loader_search.study._keys import (
     DEVICE_NAME_ATTR,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
+    MEASURED_OOM_REASONS,
+    MICRO_BATCH_ATTR,
     MIXED_HARDWARE_ATTR,
     MODEL_ROUND_ATTR,
+    OOM_ATTEMPTS_ATTR,
     PARAMS_ATTR,
     PIPELINE_ATTR,
     PREDICTED_ATTR,
@@ -71,7 +76,15 @@ from loader_search.study._keys import (
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._plan import plan_trial
 from loader_search.study._points import is_feasible, pareto_front, trial_point
-from loader_search.study._record import Recorded, known_failure, record, record_interrupted
+from loader_search.study._record import (
+    Recorded,
+    fewer_samples_per_step,
+    fit_in_memory,
+    known_failure,
+    oom_attempt,
+    record,
+    record_interrupted,
+)
 from loader_search.study._timings import Clock
 from loader_search.study._trials import write_user_attrs
 from loader_search.team._locks import host_lock, study_lock
@@ -443,26 +456,52 @@ def _run_one(worker: _Worker, trial: optuna.Trial, params: LoaderParams, clock: 
         heartbeat.start()
         interrupts.check()  # a Ctrl-C while the trial was being taken
         worker.reporter.trial_started(trial.number, params)
+        hardware_class = session.hardware.hardware_class
+        accumulate = session.config.training.gradient_accumulation == "auto"
+        extra: dict[str, object] = {}
         with clock.part("plan"):
             trials = worker.retrying(functools.partial(study.get_trials, deepcopy=False))
             ended = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
-            inferred = known_failure(ended, params, session.hardware.hardware_class)
+            if accumulate:
+                params, forced_by = fit_in_memory(ended, params, hardware_class)
+                if forced_by is not None:
+                    extra[ACCUMULATION_FROM] = forced_by
+            inferred = known_failure(ended, params, hardware_class)
+        attempts: list[dict[str, object]] = []
+        while True:
             reuse = plan_trial(
                 ended,
                 params,
                 session.config.training,
-                session.hardware.hardware_class,
+                hardware_class,
                 len(session.workload.train_dataset),  # type: ignore[arg-type]
                 reuse_val_loss=session.config.training.reuse_val_loss,
             )
-        if inferred is not None:
-            outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
-        else:
+            if inferred is not None:
+                outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
+                break
             job = TrialJob(
                 session.workload, params, session.config.training, session.device, plan=reuse.plan
             )
             with clock.part("job"):
                 outcome = run_isolated(job, limits=session.config.limits)
+            smaller = fewer_samples_per_step(params) if accumulate else None
+            failure = outcome.failure
+            if failure is None or failure.reason not in MEASURED_OOM_REASONS or smaller is None:
+                break
+            # Out of memory: the same batch again, as twice as many micro-batches of half.
+            attempts.append(oom_attempt(params, failure))
+            worker.reporter.warning(
+                f"trial #{trial.number}: {params.describe()} ran out of memory"
+                f" ({failure.reason}); training it as {smaller.accumulation_steps}"
+                f" micro-batches of {smaller.micro_batch_size}"
+            )
+            params = smaller
+        extra[PARAMS_ATTR] = params.as_dict()
+        extra[MICRO_BATCH_ATTR] = params.micro_batch_size
+        extra[ACCUMULATION_ATTR] = params.accumulation_steps
+        if attempts:
+            extra[OOM_ATTEMPTS_ATTR] = attempts
         if outcome.failure and outcome.failure.infeasible and trial.user_attrs.get(BASELINE_ATTR):
             # The plainest loader does not train (it diverged or ran out of memory): that is
             # no region for the sampler to avoid but a broken workload; the study stops.
@@ -476,6 +515,7 @@ def _run_one(worker: _Worker, trial: optuna.Trial, params: LoaderParams, clock: 
                 outcome,
                 reuse=reuse,
                 inferred_from=inferred[1] if inferred else None,
+                extra=extra,
                 on_retry=worker.unreachable,
             )
     except KeyboardInterrupt:
