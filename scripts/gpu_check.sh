@@ -8,7 +8,8 @@
 #      then baseline, rule of thumb and recommendation side by side with their ceilings;
 #   3. `python -m benchmarks claims --config studies/gpu.toml --studies 2`: two studies' claimed
 #      speedups (paired confirmation, 95% CI) against a side-by-side measurement afterwards;
-#   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml);
+#   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml): with
+#      gradient accumulation (the default) they are measured as micro-batches that fit;
 #   5. the ImageNet-like reference (studies/imagenet-like.toml, issue 15): `make-images`, then
 #      a real study of a ResNet-18 on 224px crops and the same side by side as in 2.
 set -uo pipefail
@@ -105,7 +106,10 @@ try:
         p = a.get("loader_params", {})
         rows.append(f"oom #{t.number}: batch {p.get('batch_size')} workers {p.get('num_workers')}"
                     f" {t.state.name} {a.get('failure_reason', 'trained')}"
-                    f" peak {a.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB")
+                    f" as {a.get('accumulation_steps', 1)} x {a.get('micro_batch_size')}"
+                    f" (ran out first: {[o['micro_batch_size'] for o in a.get('oom_attempts', [])]})"
+                    f" peak {a.get('peak_gpu_bytes', 0) / 2**30:.1f} GiB"
+                    f" {t.values[0] if t.values else 0:,.0f} samples/s")
 except Exception as exc:
     rows.append(f"oom: no result ({exc!r})")
 text = "\n".join(rows)

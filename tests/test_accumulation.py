@@ -175,3 +175,18 @@ def test_the_config_option_and_its_bad_values() -> None:
     assert config.training.gradient_accumulation == "off"
     with pytest.raises(Exception, match=r'training\.gradient_accumulation = "always": use one of'):
         parse_config({"training": {"gradient_accumulation": "always"}})
+
+
+def test_the_stand_in_device_memory_refuses_training_batches_that_do_not_fit() -> None:
+    from loader_search.workloads.synthetic_images import synthetic_images
+
+    workload = synthetic_images(image_size=32, train_size=64, val_size=64, device_memory_mb=4)
+    assert workload.options["device_memory_mb"] == 4
+    model = workload.make_model()
+    model.train()
+    assert model(torch.randn(32, 3, 32, 32)).shape == (32, 10)  # 3.3 MB of activations
+    with pytest.raises(torch.OutOfMemoryError, match=r"a batch of 64 keeps 6\.5 MiB"):
+        model(torch.randn(64, 3, 32, 32))
+    model.eval()  # evaluation keeps no activations for backward
+    assert model(torch.randn(64, 3, 32, 32)).shape == (64, 10)
+    assert "device_memory_mb" not in synthetic_images(train_size=64, val_size=64).options

@@ -104,7 +104,12 @@ def print_summary(summary: StudySummary) -> None:
         marks = (" *" if point.number == recommended else "") + (" b" if point.is_baseline else "")
         table.add_row(
             f"{point.number}{marks}",
-            str(p.batch_size),
+            str(p.batch_size)
+            + (
+                f" ({p.accumulation_steps}x{p.micro_batch_size})"
+                if p.accumulation_steps > 1
+                else ""
+            ),
             str(p.num_workers),
             str(p.prefetch_factor) if p.prefetch_factor else "-",
             "yes" if p.persistent_workers else "no",

@@ -106,13 +106,23 @@ class SmallCNN(nn.Module):
     sample with the GIL released (``time.sleep``), as a GPU step keeps the training process
     waiting while the CPUs are free: a stand-in for the loader-bound regime of a GPU server
     on a CPU-only machine. It is not a GPU: the wait costs no CPU and never varies.
+    ``device_memory_mb`` likewise stands in for a device's memory: a training batch whose
+    convolution and BatchNorm outputs (what backward keeps) exceed it raises torch's
+    out-of-memory error, as a GPU of that size would. It is not a memory limit: nothing else
+    is counted, and the host's memory is untouched.
     """
 
     def __init__(
-        self, num_classes: int, width: int = 8, device_us_per_sample: float = 0.0
+        self,
+        num_classes: int,
+        width: int = 8,
+        device_us_per_sample: float = 0.0,
+        device_memory_mb: float = 0.0,
     ) -> None:
         super().__init__()
         self.wait_s_per_sample = device_us_per_sample / 1e6
+        self.memory_bytes = int(device_memory_mb * 2**20)
+        self.activation_bytes = 0
         self.features = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1),
             nn.BatchNorm2d(width),
@@ -128,11 +138,26 @@ class SmallCNN(nn.Module):
             nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Linear(2 * width, num_classes)
+        if self.memory_bytes:
+            for layer in self.features:
+                if isinstance(layer, (nn.Conv2d, nn.BatchNorm2d)):  # what backward keeps
+                    layer.register_forward_hook(self._count)
+
+    def _count(self, layer: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        self.activation_bytes += output.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.wait_s_per_sample:
             time.sleep(self.wait_s_per_sample * x.shape[0])  # releases the GIL
-        logits: torch.Tensor = self.head(self.features(x).flatten(1))
+        self.activation_bytes = 0
+        features = self.features(x)
+        if self.training and self.activation_bytes > self.memory_bytes > 0:
+            raise torch.OutOfMemoryError(
+                f"stand-in device memory: a batch of {x.shape[0]} keeps"
+                f" {self.activation_bytes / 2**20:.1f} MiB of activations for backward, above"
+                f" device_memory_mb = {self.memory_bytes / 2**20:g}"
+            )
+        logits: torch.Tensor = self.head(features.flatten(1))
         return logits
 
 
@@ -146,6 +171,7 @@ def synthetic_images(
     width: int = 8,
     seed: int = 0,
     device_us_per_sample: float = 0.0,
+    device_memory_mb: float = 0.0,
 ) -> Workload:
     """Build the ``synthetic-images`` workload (data are generated, never downloaded)."""
     for key, value in {
@@ -173,6 +199,11 @@ def synthetic_images(
             f"device_us_per_sample = {wait!r}: must be a number of microseconds, 0 .. 1000000"
         )
 
+    memory = device_memory_mb
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 <= memory <= 1e7:
+        raise ValueError(
+            f"device_memory_mb = {memory!r}: must be a number of MB, 0 (no limit) .. 10000000"
+        )
     rng = np.random.default_rng(seed)
     patterns = _class_patterns(rng, num_classes, image_size)
     train = make_images(train_size, patterns, rng, noise, encoding)
@@ -191,13 +222,18 @@ def synthetic_images(
     if device_us_per_sample:  # only when set: studies without it keep their fingerprint
         options["device_us_per_sample"] = device_us_per_sample
         stand_in = f"; a {device_us_per_sample:g} us/sample GIL-free wait stands in for a GPU"
+    if device_memory_mb:  # likewise
+        options["device_memory_mb"] = device_memory_mb
+        stand_in += f"; {device_memory_mb:g} MB of activations stand in for a GPU's memory"
     return Workload(
         name="synthetic-images",
         train_dataset=EncodedImageDataset(
             *train, augment=True, pad=max(1, image_size // 8), seed=seed
         ),
         val_dataset=EncodedImageDataset(*val, augment=False),
-        make_model=functools.partial(SmallCNN, num_classes, width, device_us_per_sample),
+        make_model=functools.partial(
+            SmallCNN, num_classes, width, device_us_per_sample, device_memory_mb
+        ),
         # Measured on this workload: at 0.05 the validation loss after 8k samples varied by up
         # to 75% between seeds (chaotic training); at 0.02 by 7-20%, with batch size's effect
         # well above that spread.
