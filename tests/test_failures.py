@@ -34,7 +34,11 @@ CONFIG = StudyConfig(
     name="faults",
     trials=3,
     device="cpu",
-    training=TrainingSettings(train_samples=768, batch_size=16, eval_batch_size=64),
+    # A batch that runs out of memory is infeasible here; with accumulation ("auto") it would
+    # be trained as micro-batches that fit (tests/test_accumulation.py).
+    training=TrainingSettings(
+        train_samples=768, batch_size=16, eval_batch_size=64, gradient_accumulation="off"
+    ),
     space=SearchSpace(
         batch_sizes=(16, 32, 64),
         num_workers=CpuRange(0, 1),
