@@ -1,4 +1,5 @@
-"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,scale,all} [--quick]``.
+"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,scale,backends,all}
+[--quick]``.
 
 See benchmarks/README.md.
 """
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import claims, ground_truth, model, replay, resolve, scale, speedup
+from benchmarks import backends, claims, ground_truth, model, replay, resolve, scale, speedup
 from loader_search.study._config import load_config
 from loader_search.study._points import TrialPoint, pareto_front
 from loader_search.trial._system import cpu_model, usable_cpus
@@ -487,7 +488,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument(
         "command",
-        choices=["ground-truth", "resolve", "replay", "speedup", "claims", "scale", "all"],
+        choices=[
+            "ground-truth",
+            "resolve",
+            "replay",
+            "speedup",
+            "claims",
+            "scale",
+            "backends",
+            "all",
+        ],
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it works")
     parser.add_argument("--repeats", type=int, default=3, help="ground truth: trials per config")
@@ -637,6 +647,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         results["claims"] = result
         sections += ["## Claimed speedup against side by side", claims_section(result)]
+    if args.command == "backends":
+        result = backends.run(quick=args.quick, rounds=rounds)
+        results["backends"] = result
+        sections += ["## Processes, threads and out-of-order delivery", backends.section(result)]
     results["elapsed_s"] = time.perf_counter() - started
     name = args.command + regime.suffix
     (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -144,6 +144,19 @@ def check_fields(settings: Any, section: str) -> None:
                 object.__setattr__(settings, item.name, float(value))
 
 
+StartMethod = Literal["fork", "forkserver", "spawn"]
+START_METHODS: tuple[StartMethod, ...] = ("fork", "forkserver", "spawn")
+Backend = Literal["process", "thread"]
+BACKENDS: tuple[Backend, ...] = ("process", "thread")
+# LoaderParams fields added after studies were first stored, with their defaults.
+_LATER_DEFAULTS: dict[str, Any] = {
+    "accumulation_steps": 1,
+    "in_order": True,
+    "start_method": None,
+    "backend": "process",
+}
+
+
 @dataclass(frozen=True)
 class LoaderParams:
     """One point of the search space: how to load batches and how many threads train on them.
@@ -156,6 +169,11 @@ class LoaderParams:
     convergence sees, and what the learning rate is scaled for). With ``accumulation_steps``
     above 1 it is trained as that many micro-batches of `micro_batch_size`, the DataLoader's
     ``batch_size`` (what memory and speed see), with the gradients accumulated.
+
+    With workers: ``in_order=False`` delivers batches as workers finish them (DataLoader's
+    ``in_order``, torch >= 2.6); ``start_method`` is the workers' multiprocessing start method
+    (None: the platform's default); ``backend`` ``"thread"`` loads with a pool of
+    ``num_workers`` threads in this process (``torchdata.nodes``) instead of worker processes.
     """
 
     batch_size: int
@@ -165,6 +183,9 @@ class LoaderParams:
     persistent_workers: bool = False
     torch_threads: int = 1
     accumulation_steps: int = 1
+    in_order: bool = True
+    start_method: StartMethod | None = None
+    backend: Backend = "process"
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -187,6 +208,28 @@ class LoaderParams:
             )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.start_method is not None and self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(START_METHODS)}, got"
+                f" {self.start_method!r}"
+            )
+        if self.num_workers == 0 and (not self.in_order or self.start_method is not None):
+            raise ValueError("in_order and start_method are only valid with num_workers > 0")
+        if self.num_workers == 0 and self.backend != "process":
+            raise ValueError("backend 'thread' needs num_workers > 0 (its threads)")
+        if self.backend == "thread" and (self.start_method is not None or self.persistent_workers):
+            raise ValueError("start_method and persistent_workers are for worker processes")
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches the loader holds ready ahead of training: ``prefetch_factor`` per worker
+        process, or ``prefetch_factor`` in all for the thread pool."""
+        if self.num_workers == 0:
+            return 0
+        per_worker = 1 if self.backend == "thread" else self.num_workers
+        return per_worker * (self.prefetch_factor or 0)
 
     @property
     def micro_batch_size(self) -> int:
@@ -195,8 +238,10 @@ class LoaderParams:
 
     def as_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
-        if self.accumulation_steps == 1:  # as stored before accumulation existed
-            del values["accumulation_steps"]
+        # Settings at their defaults are left out: stored as before they existed.
+        for name, default in _LATER_DEFAULTS.items():
+            if values[name] == default:
+                del values[name]
         return values
 
     @classmethod
@@ -214,6 +259,10 @@ class LoaderParams:
         if self.num_workers > 0:
             kwargs["prefetch_factor"] = self.prefetch_factor
             kwargs["persistent_workers"] = self.persistent_workers
+            if not self.in_order:  # only when asked: torch before 2.6 has no such argument
+                kwargs["in_order"] = False
+            if self.start_method is not None:
+                kwargs["multiprocessing_context"] = self.start_method
         return kwargs
 
     def describe(self) -> str:
@@ -221,11 +270,16 @@ class LoaderParams:
         batch = f"batch={self.batch_size}"
         if self.accumulation_steps > 1:
             batch += f" ({self.accumulation_steps}x{self.micro_batch_size})"
-        parts = [batch, f"workers={self.num_workers}"]
+        kind = "threads" if self.backend == "thread" else "workers"
+        parts = [batch, f"{kind}={self.num_workers}"]
         if self.num_workers > 0:
             parts.append(f"prefetch={self.prefetch_factor}")
             if self.persistent_workers:
                 parts.append("persistent")
+            if not self.in_order:
+                parts.append("out-of-order")
+            if self.start_method is not None:
+                parts.append(self.start_method)
         if self.pin_memory:
             parts.append("pinned")
         parts.append(f"threads={self.torch_threads}")
@@ -368,15 +422,43 @@ def dataloader_snippet(
     if lr is not None:
         lines.append(f"# train with lr={lr:.4g} at this batch size (as measured)")
     lines.append(f"torch.set_num_threads({params.torch_threads})")
-    args = [dataset_name, f"batch_size={params.micro_batch_size}", "shuffle=True"]
-    args.append(f"num_workers={params.num_workers}")
-    if params.num_workers > 0:
-        args.append(f"prefetch_factor={params.prefetch_factor}")
-        args.append(f"persistent_workers={params.persistent_workers}")
-    args.append(f"pin_memory={params.pin_memory}")
-    lines.append("loader = DataLoader(\n    " + ",\n    ".join(args) + ",\n)")
+    if params.backend == "thread":
+        lines.append(thread_loader_snippet(params, dataset_name))
+    else:
+        args = [dataset_name, f"batch_size={params.micro_batch_size}", "shuffle=True"]
+        args.append(f"num_workers={params.num_workers}")
+        if params.num_workers > 0:
+            args.append(f"prefetch_factor={params.prefetch_factor}")
+            args.append(f"persistent_workers={params.persistent_workers}")
+            if not params.in_order:
+                args.append("in_order=False")
+            if params.start_method is not None:
+                args.append(f'multiprocessing_context="{params.start_method}"')
+        args.append(f"pin_memory={params.pin_memory}")
+        lines.append("loader = DataLoader(\n    " + ",\n    ".join(args) + ",\n)")
     if params.accumulation_steps > 1:
         lines.append(accumulation_snippet(params))
+    return "\n".join(lines)
+
+
+def thread_loader_snippet(params: LoaderParams, dataset_name: str = "train_dataset") -> str:
+    """The thread-pool loader (``torchdata.nodes``) that ``backend = "thread"`` measured."""
+    lines = [
+        "# pip install torchdata: a pool of threads in this process loads the samples",
+        "from torch.utils.data import RandomSampler, default_collate",
+        "from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, Prefetcher,"
+        " SamplerWrapper",
+        f"node = SamplerWrapper(RandomSampler({dataset_name}))",
+        f"node = ParallelMapper(node, {dataset_name}.__getitem__,"
+        f' num_workers={params.num_workers}, method="thread", in_order={params.in_order})',
+        f"node = Batcher(node, batch_size={params.micro_batch_size}, drop_last=False)",
+        "node = Mapper(node, default_collate)",
+        f"node = Prefetcher(node, prefetch_factor={params.prefetch_factor})",
+    ]
+    if params.pin_memory:
+        lines.insert(2, "from torchdata.nodes import PinMemory")
+        lines.append("node = PinMemory(node)")
+    lines.append("loader = Loader(node)")
     return "\n".join(lines)
 
 

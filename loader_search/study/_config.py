@@ -21,9 +21,11 @@ from typing import Any, Literal
 from loader_search._workload_specs import resolve_paths
 from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import (
+    BACKENDS,
     GRADIENT_ACCUMULATION,
     LR_SCALINGS,
     RANGES,
+    START_METHODS,
     TrainingSettings,
     TrialLimits,
     WorkersSettings,
@@ -326,6 +328,9 @@ def _parse_space(table: Table) -> SearchSpace:
     persistent = _parse_switch(table, "persistent_workers", "search")
     pin_memory = _parse_switch(table, "pin_memory", "auto")
     threads = _parse_threads(table)
+    in_order = _parse_switch(table, "in_order", "search", default=True)
+    start_method = _parse_choices(table, "start_method", START_METHODS, "default", ())
+    backend = _parse_choices(table, "backend", BACKENDS, None, ("process",))
     table.done()
     return SearchSpace(
         batch_sizes=batch_sizes,
@@ -334,6 +339,9 @@ def _parse_space(table: Table) -> SearchSpace:
         persistent_workers=persistent,
         pin_memory=pin_memory,
         torch_threads=threads,
+        in_order=in_order,
+        start_method=start_method,  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
     )
 
 
@@ -419,9 +427,33 @@ def _parse_prefetch(table: Table, default: IntRange) -> IntRange:
     return IntRange(low, high)
 
 
-def _parse_switch(table: Table, key: str, search_word: str) -> bool | None:
-    """``true`` / ``false`` fix a boolean setting; ``search_word`` leaves it to the search."""
-    value = table.pop(key, search_word)
+def _parse_choices(
+    table: Table,
+    key: str,
+    choices: tuple[str, ...],
+    default_word: str | None,
+    default: tuple[str, ...],
+) -> tuple[str, ...]:
+    """One of ``choices`` (fixed), a list of them or ``"search"`` (all: searched), or
+    ``default_word`` (``default``: not set)."""
+    value = table.pop(key, None)
+    if value is None or (default_word is not None and value == default_word):
+        return default
+    if value == "search":
+        return choices
+    picked = value if isinstance(value, list) else [value]
+    if not picked or not all(isinstance(v, str) and v in choices for v in picked):
+        words = ", ".join(f'"{c}"' for c in (*choices, *([default_word] if default_word else [])))
+        raise table.error(key, value, f'use one of {words}, a list of them, or "search"')
+    return tuple(dict.fromkeys(picked))
+
+
+def _parse_switch(
+    table: Table, key: str, search_word: str, default: bool | None = None
+) -> bool | None:
+    """``true`` / ``false`` fix a boolean setting; ``search_word`` leaves it to the search,
+    as does a missing key unless ``default`` is given."""
+    value = table.pop(key, search_word if default is None else default)
     if value == search_word:
         return None
     if not isinstance(value, bool):

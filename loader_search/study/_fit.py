@@ -32,10 +32,12 @@ def sample_bytes(workload: Workload) -> int:
 
 
 def shm_footprint_bytes(params: LoaderParams, bytes_per_sample: int) -> int:
-    """Shared memory a setting's batches in flight take: every worker holds up to
-    ``prefetch_factor`` collated batches in ``/dev/shm`` (none without workers)."""
-    in_flight = params.num_workers * (params.prefetch_factor or 0)
-    return in_flight * params.batch_size * bytes_per_sample
+    """Shared memory a setting's batches in flight take: every worker process holds up to
+    ``prefetch_factor`` collated batches in ``/dev/shm`` (none without workers, and none
+    for the thread pool, whose batches stay in this process)."""
+    if params.backend == "thread":
+        return 0
+    return params.batches_in_flight * params.micro_batch_size * bytes_per_sample
 
 
 def fit_space(

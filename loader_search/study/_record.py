@@ -69,7 +69,7 @@ MIN_MICRO_BATCH = 2
 def footprint(params: LoaderParams) -> tuple[int, int]:
     """What memory grows with: the micro-batch (the DataLoader's batch size) and the number of
     micro-batches in flight in the loader."""
-    return params.micro_batch_size, params.num_workers * (params.prefetch_factor or 0)
+    return params.micro_batch_size, params.batches_in_flight
 
 
 def oom_attempt(params: LoaderParams, failure: TrialFailure) -> dict[str, object]:

@@ -14,10 +14,13 @@ Rules enforced here, because PyTorch enforces them at construction or, worse, at
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import multiprocessing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from loader_search.params import LoaderParams
+from loader_search.params import BACKENDS, START_METHODS, Backend, LoaderParams, StartMethod
 
 if TYPE_CHECKING:
     from optuna.trial import Trial
@@ -101,10 +104,21 @@ class SearchSpace:
     persistent_workers: bool | None = None  # None: searched (only with workers)
     pin_memory: bool | None = None  # None: searched on CUDA, off on CPU
     torch_threads: int | CpuRange | None = None  # None: default rule; int: fixed; range: searched
+    # With workers only. in_order None: searched. start_method (): the platform's default;
+    # several: searched, like backend's several.
+    in_order: bool | None = True
+    start_method: tuple[StartMethod, ...] = ()
+    backend: tuple[Backend, ...] = ("process",)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes:
             raise ValueError("no batch sizes to search")
+        if not self.backend or any(b not in BACKENDS for b in self.backend):
+            raise ValueError(f"backend must be some of {', '.join(BACKENDS)}, got {self.backend}")
+        if any(m not in START_METHODS for m in self.start_method):
+            raise ValueError(
+                f"start_method must be some of {', '.join(START_METHODS)}, got {self.start_method}"
+            )
         if any(b <= 0 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.prefetch_factor.low < 1:
@@ -122,6 +136,10 @@ class SearchSpace:
             "persistent_workers": self.persistent_workers,
             "pin_memory": self.pin_memory,
             "torch_threads": threads,
+            # Only when not the default: studies from before keep their fingerprint.
+            **({} if self.in_order is True else {"in_order": self.in_order}),
+            **({"start_method": list(self.start_method)} if self.start_method else {}),
+            **({} if self.backend == ("process",) else {"backend": list(self.backend)}),
         }
 
     def resolve(self, usable_cpus: int, cuda: bool) -> ResolvedSpace:
@@ -143,6 +161,25 @@ class SearchSpace:
         else:
             threads = self.torch_threads
 
+        in_order = self.in_order
+        if in_order is not True and not _has_in_order():
+            notes.append(
+                f"in_order = {'search' if in_order is None else 'false'} needs torch >= 2.6"
+                f" (this is {torch_version()}): batches are delivered in order"
+            )
+            in_order = True
+        available = multiprocessing.get_all_start_methods()
+        methods = tuple(m for m in self.start_method if m in available)
+        if len(methods) < len(self.start_method):
+            missing = ", ".join(m for m in self.start_method if m not in available)
+            notes.append(f"start method {missing} is not available here: left out")
+        backends = self.backend
+        if "thread" in backends and not _has_torchdata():
+            notes.append(
+                "backend 'thread' needs torchdata (pip install 'loader-search[threads]'):"
+                " worker processes only"
+            )
+            backends = ("process",)
         return ResolvedSpace(
             batch_sizes=tuple(self.batch_sizes),
             num_workers=num_workers,
@@ -151,6 +188,9 @@ class SearchSpace:
             pin_memory=pin_memory,
             torch_threads=threads,
             usable_cpus=usable_cpus,
+            in_order=in_order,
+            start_method=methods,
+            backend=backends,
             notes=tuple(notes),
         )
 
@@ -166,14 +206,24 @@ class ResolvedSpace:
     pin_memory: bool | None
     torch_threads: int | IntRange | None
     usable_cpus: int
+    in_order: bool | None = True
+    start_method: tuple[StartMethod, ...] = ()
+    backend: tuple[Backend, ...] = ("process",)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def size(self) -> int:
         """How many distinct settings `suggest` can return (the grid sampler's total)."""
         with_workers = self.num_workers.high - max(self.num_workers.low, 1) + 1
-        per_worker_count = len(self.prefetch_factor.values())
-        if self.persistent_workers is None:
-            per_worker_count *= 2
+        per_worker_count = 0
+        for backend in self.backend:
+            count = len(self.prefetch_factor.values())
+            if self.in_order is None:
+                count *= 2
+            if backend == "process":
+                if self.persistent_workers is None:
+                    count *= 2
+                count *= max(1, len(self.start_method))
+            per_worker_count += count
         loaders = (1 if self.num_workers.low == 0 else 0) + max(0, with_workers) * per_worker_count
         if self.pin_memory is None:
             loaders *= 2
@@ -188,14 +238,33 @@ class ResolvedSpace:
         num_workers = trial.suggest_int("num_workers", self.num_workers.low, self.num_workers.high)
         prefetch_factor: int | None = None
         persistent = False
+        in_order = True
+        start_method: StartMethod | None = None
+        backend: Backend = self.backend[0]
         if num_workers > 0:
+            if len(self.backend) > 1:
+                backend = cast(Backend, trial.suggest_categorical("backend", list(self.backend)))
             prefetch_factor = trial.suggest_int(
                 "prefetch_factor", self.prefetch_factor.low, self.prefetch_factor.high
             )
-            if self.persistent_workers is None:
-                persistent = trial.suggest_categorical("persistent_workers", [False, True])
+            if backend == "process":
+                if self.persistent_workers is None:
+                    persistent = trial.suggest_categorical("persistent_workers", [False, True])
+                else:
+                    persistent = self.persistent_workers
+                if len(self.start_method) > 1:
+                    start_method = cast(
+                        StartMethod,
+                        trial.suggest_categorical("start_method", list(self.start_method)),
+                    )
+                elif self.start_method:
+                    start_method = self.start_method[0]
+            if self.in_order is None:
+                in_order = trial.suggest_categorical("in_order", [True, False])
             else:
-                persistent = self.persistent_workers
+                in_order = self.in_order
+        else:
+            backend = "process"
         if self.pin_memory is None:
             pin_memory = trial.suggest_categorical("pin_memory", [False, True])
         else:
@@ -207,6 +276,9 @@ class ResolvedSpace:
             pin_memory=bool(pin_memory),
             persistent_workers=bool(persistent),
             torch_threads=self._threads(trial, num_workers),
+            in_order=bool(in_order),
+            start_method=start_method,
+            backend=backend,
         )
 
     def _threads(self, trial: Trial, num_workers: int) -> int:
@@ -224,9 +296,16 @@ class ResolvedSpace:
             "num_workers": params.num_workers,
         }
         if params.num_workers > 0:
+            if len(self.backend) > 1:
+                values["backend"] = params.backend
             values["prefetch_factor"] = params.prefetch_factor
-            if self.persistent_workers is None:
-                values["persistent_workers"] = params.persistent_workers
+            if params.backend == "process":
+                if self.persistent_workers is None:
+                    values["persistent_workers"] = params.persistent_workers
+                if len(self.start_method) > 1:
+                    values["start_method"] = params.start_method
+            if self.in_order is None:
+                values["in_order"] = params.in_order
         if self.pin_memory is None:
             values["pin_memory"] = params.pin_memory
         if isinstance(self.torch_threads, IntRange):
@@ -244,3 +323,20 @@ class ResolvedSpace:
                 max(self.usable_cpus, self.torch_threads.low), self.torch_threads.high
             )
         return params
+
+
+def _has_in_order() -> bool:
+    """Whether this torch's DataLoader takes ``in_order`` (torch >= 2.6)."""
+    from torch.utils.data import DataLoader
+
+    return "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+def _has_torchdata() -> bool:
+    return importlib.util.find_spec("torchdata") is not None
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

@@ -7,12 +7,19 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
 import psutil
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from loader_search.params import LoaderParams
 from loader_search.team._lockfiles import close_inherited_locks
@@ -27,8 +34,9 @@ def build_loader(
     seed: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
-) -> DataLoader[Any]:
-    """A fresh DataLoader with the trial's settings, to be iterated by this process.
+) -> DataLoader[Any] | ThreadLoader:
+    """A fresh DataLoader with the trial's settings, to be iterated by this process (a
+    `ThreadLoader` for ``backend = "thread"``).
 
     The shuffle order comes from a generator of its own, seeded by ``seed``: every trial sees
     the samples in the same order whatever its loader settings. (Sharing the DataLoader's
@@ -40,6 +48,8 @@ def build_loader(
     if shuffle:  # map-style datasets are Sized; the Dataset type just does not say so
         sized = cast(Sized, dataset)
         sampler = RandomSampler(sized, generator=torch.Generator().manual_seed(seed))
+    if params.backend == "thread":
+        return ThreadLoader(dataset, params, sampler, drop_last, collate_fn)
     return DataLoader(
         dataset,
         sampler=sampler,
@@ -49,6 +59,54 @@ def build_loader(
         worker_init_fn=WorkerStart(os.getpid(), worker_init_fn),
         **params.loader_kwargs(),
     )
+
+
+class ThreadLoader:
+    """The ``thread`` backend: ``params.num_workers`` threads of this process call the
+    dataset's ``__getitem__`` (``torchdata.nodes.ParallelMapper``), a background thread
+    collates and keeps ``prefetch_factor`` batches ready (``Prefetcher``). The same dataset,
+    sampler and collate function as the DataLoader, so the batches hold the same samples in
+    the same order (with ``in_order``). No worker start-up, no copies between processes, no
+    shared memory; the threads share this process's GIL where the dataset holds it.
+
+    Each ``iter()`` is one epoch, as a DataLoader's is.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        params: LoaderParams,
+        sampler: Sampler[int] | None,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+    ) -> None:
+        try:
+            from torchdata import nodes
+        except ImportError:
+            raise ImportError(
+                "backend 'thread' needs torchdata: pip install 'loader-search[threads]'"
+            ) from None
+        self.dataset = dataset
+        sized = cast(Sized, dataset)
+        node: Any = nodes.SamplerWrapper(
+            sampler if sampler is not None else SequentialSampler(sized)
+        )
+        node = nodes.ParallelMapper(
+            node,
+            map_fn=dataset.__getitem__,
+            num_workers=params.num_workers,
+            in_order=params.in_order,
+            method="thread",
+        )
+        node = nodes.Batcher(node, batch_size=params.micro_batch_size, drop_last=drop_last)
+        node = nodes.Mapper(node, collate_fn or default_collate)
+        node = nodes.Prefetcher(node, prefetch_factor=params.prefetch_factor or 1)
+        if params.pin_memory:
+            node = nodes.PinMemory(node)
+        self._loader = nodes.Loader(node)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._loader)
 
 
 class WorkerStart:

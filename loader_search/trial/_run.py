@@ -32,7 +32,7 @@ from loader_search.params import (
     TrainingSettings,
     scaled_lr,
 )
-from loader_search.trial._loader import build_loader
+from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
 from loader_search.trial._stages import StageCosts, StageMeter, TimedCollate, timed_dataset
 from loader_search.trial._system import OtherLoad, usable_cpus
@@ -50,10 +50,9 @@ CEILING_DISTINCT_BATCHES = 2  # cycled: their content does not change the comput
 
 
 def warmup_batches(params: LoaderParams, extra: int) -> int:
-    """Batches excluded from the measurement: the ones workers prefetched during start-up
-    (``num_workers * prefetch_factor``, delivered in a burst) plus ``extra`` more."""
-    prefetched = params.num_workers * (params.prefetch_factor or 0)
-    return prefetched + extra
+    """Batches excluded from the measurement: the ones the loader prefetched during start-up
+    (`LoaderParams.batches_in_flight`, delivered in a burst) plus ``extra`` more."""
+    return params.batches_in_flight + extra
 
 
 def batches_needed(params: LoaderParams, extra_warmup: int) -> int:
@@ -361,7 +360,7 @@ def _train(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     workload: Workload,
-    loader: DataLoader[Any],
+    loader: DataLoader[Any] | ThreadLoader,
     meters: tuple[StepMeter, StageMeter],
     budget: int,
     device: torch.device,
@@ -384,7 +383,7 @@ def _train(
     batch_samples = 0  # what the effective batch averages over
     loss = torch.zeros(())
     first: torch.Tensor | None = None
-    in_process = params.num_workers == 0
+    in_process = params.num_workers == 0  # threads, like worker processes, produce aside
     while seen < budget:
         meter.wait_begin()
         cpu_before = time.thread_time()
@@ -453,6 +452,8 @@ def _evaluate(
         prefetch_factor=params.prefetch_factor if workers else None,
         pin_memory=params.pin_memory,
         torch_threads=params.torch_threads,
+        start_method=params.start_method if workers else None,
+        backend=params.backend if workers else "process",
     )
     loader = build_loader(
         workload.val_dataset, eval_params, shuffle=False, collate_fn=workload.collate_fn

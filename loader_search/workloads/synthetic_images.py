@@ -35,9 +35,16 @@ class EncodedImageDataset(Dataset[tuple[torch.Tensor, int]]):
     """
 
     def __init__(
-        self, images: list[bytes], labels: list[int], augment: bool, pad: int = 4, seed: int = 0
+        self,
+        images: list[bytes],
+        labels: list[int],
+        augment: bool,
+        pad: int = 4,
+        seed: int = 0,
+        size: int | None = None,
     ) -> None:
         self.images = images
+        self.size = size  # images stored larger are resized to it
         self.labels = labels
         self.augment = augment
         self.pad = pad
@@ -48,7 +55,10 @@ class EncodedImageDataset(Dataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         with Image.open(io.BytesIO(self.images[index])) as image:
-            array = np.array(image.convert("RGB"))
+            rgb = image.convert("RGB")
+        if self.size is not None and rgb.size != (self.size, self.size):
+            rgb = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR)  # a large one
+        array = np.array(rgb)
         x = torch.from_numpy(array).permute(2, 0, 1).float().div_(255.0)
         if self.augment:
             rng = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -79,6 +89,28 @@ def _encode(pixels: np.ndarray, encoding: str) -> bytes:
     else:
         image.save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
+
+
+def enlarge(
+    images: list[bytes], fraction: float, scale: int, seed: int, encoding: str
+) -> list[bytes]:
+    """``images`` with ``fraction`` of them (drawn with ``seed``, apart from the data's own
+    generator) stored ``scale`` times larger, with fresh grain at that size: decoding and
+    resizing them back costs about ``scale**2`` times as much, as large photos among small
+    ones do."""
+    if not fraction:
+        return images
+    rng = np.random.default_rng([seed, 7])
+    chosen = rng.random(len(images)) < fraction
+    out = list(images)
+    for i in np.flatnonzero(chosen):
+        with Image.open(io.BytesIO(images[i])) as image:
+            big = image.convert("RGB").resize(
+                (image.width * scale, image.height * scale), Image.Resampling.BICUBIC
+            )
+        pixels = np.asarray(big, dtype=np.float32) + rng.normal(0, 8, (big.height, big.width, 3))
+        out[i] = _encode(np.clip(pixels, 0, 255).astype(np.uint8), encoding)
+    return out
 
 
 def make_images(
@@ -172,6 +204,8 @@ def synthetic_images(
     seed: int = 0,
     device_us_per_sample: float = 0.0,
     device_memory_mb: float = 0.0,
+    slow_fraction: float = 0.0,
+    slow_scale: int = 4,
 ) -> Workload:
     """Build the ``synthetic-images`` workload (data are generated, never downloaded)."""
     for key, value in {
@@ -204,10 +238,24 @@ def synthetic_images(
         raise ValueError(
             f"device_memory_mb = {memory!r}: must be a number of MB, 0 (no limit) .. 10000000"
         )
+    fraction = slow_fraction
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0 <= fraction <= 1
+    ):
+        raise ValueError(f"slow_fraction = {fraction!r}: must be a number between 0 and 1")
+    if (
+        isinstance(slow_scale, bool)
+        or not isinstance(slow_scale, int)
+        or not 2 <= slow_scale <= 32
+    ):
+        raise ValueError(f"slow_scale = {slow_scale!r}: must be an integer, 2 .. 32")
     rng = np.random.default_rng(seed)
     patterns = _class_patterns(rng, num_classes, image_size)
     train = make_images(train_size, patterns, rng, noise, encoding)
     val = make_images(val_size, patterns, rng, noise, encoding)
+    train = (enlarge(train[0], fraction, slow_scale, seed, encoding), train[1])
     options: dict[str, Any] = {
         "image_size": image_size,
         "train_size": train_size,
@@ -222,13 +270,17 @@ def synthetic_images(
     if device_us_per_sample:  # only when set: studies without it keep their fingerprint
         options["device_us_per_sample"] = device_us_per_sample
         stand_in = f"; a {device_us_per_sample:g} us/sample GIL-free wait stands in for a GPU"
+    if slow_fraction:  # likewise
+        options["slow_fraction"] = slow_fraction
+        options["slow_scale"] = slow_scale
+        stand_in += f"; {slow_fraction:.0%} of training images stored {slow_scale}x larger"
     if device_memory_mb:  # likewise
         options["device_memory_mb"] = device_memory_mb
         stand_in += f"; {device_memory_mb:g} MB of activations stand in for a GPU's memory"
     return Workload(
         name="synthetic-images",
         train_dataset=EncodedImageDataset(
-            *train, augment=True, pad=max(1, image_size // 8), seed=seed
+            *train, augment=True, pad=max(1, image_size // 8), seed=seed, size=image_size
         ),
         val_dataset=EncodedImageDataset(*val, augment=False),
         make_model=functools.partial(
