@@ -152,6 +152,25 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     assert cost["study_wall_s"] >= cost["train_s"] + cost["eval_s"]
 
 
+def test_backends_side_by_side_measures_every_contender() -> None:
+    from benchmarks import backends
+
+    result = backends.run(quick=True, rounds=1)
+    assert set(result["workloads"]) == {"quickstart", "variable cost"}
+    for data in result["workloads"].values():
+        table = data["table"]
+        assert len(table) == 9  # no workers; 2 process, 2 thread sizes; each out of order
+        assert data["best"]["process"].startswith("process")
+        assert data["best"]["thread"].startswith("thread")
+        for row in table.values():
+            assert row["throughput"] > 0 and row["cpu_ms_per_sample"] > 0
+            assert row["peak_rss_mb"] > 0 and row["val_loss"] > 0
+        # In order, every loader trains the very same model.
+        in_order = {row["val_loss"] for name, row in table.items() if "out of order" not in name}
+        assert len(in_order) == 1
+    assert "| thread x2 out of order |" in backends.section(result)
+
+
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
 def test_scale_run_of_real_workers_on_a_real_server(backend: str, tmp_path: Path) -> None:
     """Two real `worker` processes share a 6-trial study: every trial is taken once, each
