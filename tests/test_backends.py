@@ -15,8 +15,10 @@ from loader_search import run_study
 from loader_search.params import LoaderParams, TrainingSettings, dataloader_snippet
 from loader_search.study._config import parse_config
 from loader_search.study._keys import stored_params
+from loader_search.trial._job import TrialJob
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._run import run_trial
+from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads.synthetic_images import synthetic_images
 
 SETTINGS = TrainingSettings(train_samples=512, batch_size=16, warmup_batches=1, eval_batch_size=64)
@@ -63,8 +65,10 @@ def test_trials_of_every_backend_train_the_same_model() -> None:
         LoaderParams(16, 2, 2, backend="thread"),
         LoaderParams(16, 1, 2, start_method="forkserver"),
     ):
-        result = run_trial(workload, params, SETTINGS)
-        assert result.throughput_samples_per_s > 0
+        # Isolated, as a study runs it: the forkserver's server process ends with the trial
+        # (in this process it would outlive the test).
+        result = run_isolated(TrialJob(workload, params, SETTINGS)).result
+        assert result is not None and result.throughput_samples_per_s > 0
         losses[params.describe()] = result.val_loss
     assert len(set(losses.values())) == 1, losses  # in order: the same samples, same model
     out_of_order = run_trial(workload, LoaderParams(16, 2, 2, in_order=False), SETTINGS)
