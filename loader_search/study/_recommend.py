@@ -229,9 +229,14 @@ def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
         return None
     if limit <= 0:
         return None
+    source = str(entry.get("limit_from", "model"))
+    if point.throughput > limit:
+        # The snapshot is taken while the model proposes; the point was measured faster
+        # since (its confirmation rounds): a limit below a measurement is no limit.
+        limit, limit_params, source = point.throughput, point.params, "measurement"
     return PipelineView(
         limit_samples_per_s=limit,
-        limit_from=str(entry.get("limit_from", "model")),
+        limit_from=source,
         efficiency_vs_limit=point.throughput / limit,
         bottleneck=prediction.bottleneck,
         predicted_samples_per_s=prediction.throughput,
