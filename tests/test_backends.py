@@ -8,6 +8,7 @@ import itertools
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 import torch
 
@@ -17,7 +18,6 @@ from loader_search.study._config import parse_config
 from loader_search.study._keys import stored_params
 from loader_search.trial._job import TrialJob
 from loader_search.trial._loader import ThreadLoader, build_loader
-from loader_search.trial._run import run_trial
 from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads.synthetic_images import synthetic_images
 
@@ -26,7 +26,13 @@ SETTINGS = TrainingSettings(train_samples=512, batch_size=16, warmup_batches=1, 
 
 def _batches(params: LoaderParams, dataset: torch.utils.data.Dataset) -> list[list[int]]:
     loader = build_loader(dataset, params, shuffle=True, seed=3)
-    return [batch[1].tolist() for batch in loader]
+    batches = [batch[1].tolist() for batch in loader]
+    del loader
+    # The loader's worker processes are this process's children: none may outlive the test
+    # (tests/test_isolation.py counts leftovers).
+    _, alive = psutil.wait_procs(psutil.Process().children(), timeout=10)
+    assert not [p for p in alive if p.name() == "pt_data_worker"]
+    return batches
 
 
 class Indexed(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
@@ -71,7 +77,10 @@ def test_trials_of_every_backend_train_the_same_model() -> None:
         assert result is not None and result.throughput_samples_per_s > 0
         losses[params.describe()] = result.val_loss
     assert len(set(losses.values())) == 1, losses  # in order: the same samples, same model
-    out_of_order = run_trial(workload, LoaderParams(16, 2, 2, in_order=False), SETTINGS)
+    out_of_order = run_isolated(
+        TrialJob(workload, LoaderParams(16, 2, 2, in_order=False), SETTINGS)
+    ).result
+    assert out_of_order is not None
     assert out_of_order.val_loss == pytest.approx(losses["batch=16 workers=0 threads=1"], rel=0.1)
 
 
