@@ -40,6 +40,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from loader_search.team._storage import create_engine
+
 HERE = Path(__file__).resolve().parent
 PLUGIN = f"{HERE / 'fast_workload.py'}:build"
 SERVERS = {
@@ -105,7 +107,9 @@ def fresh_database(server_url: str, prefix: str = "ls_scale") -> Iterator[str]:
     url = make_url(server_url)
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     # Pre-ping: the server may restart in between (some tests restart it).
-    admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    admin = create_engine(
+        url.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT", pool_pre_ping=True
+    )
     postgres = url.get_backend_name() == "postgresql"
     with admin.connect() as connection:
         connection.execute(sqlalchemy.text(f"CREATE DATABASE {name}"))
@@ -126,7 +130,7 @@ class ConnectionCounter(threading.Thread):
         import sqlalchemy
 
         # Autocommit: PostgreSQL reads pg_stat_activity once per transaction.
-        self.engine = sqlalchemy.create_engine(
+        self.engine = create_engine(
             url, poolclass=sqlalchemy.pool.NullPool, isolation_level="AUTOCOMMIT"
         )
         postgres = self.engine.url.get_backend_name() == "postgresql"
@@ -193,7 +197,7 @@ def one_run(
             capture_output=True,
             text=True,
         )
-        idler = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        idler = create_engine(url, poolclass=sqlalchemy.pool.NullPool)
         held = [idler.connect() for _ in range(idle)]
         counter = ConnectionCounter(url)
         counter.start()

@@ -41,10 +41,10 @@ MARIADB_URL = os.environ.get(
 
 def require_database(url: str) -> None:
     """Skip when the server is not running here; fail instead under CI's strict setting."""
-    import sqlalchemy
+    from loader_search.team._storage import create_engine
 
     try:
-        engine = sqlalchemy.create_engine(url)
+        engine = create_engine(url)  # with the connect timeout: a silent server fails fast
         with engine.connect():
             pass
         engine.dispose()

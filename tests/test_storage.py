@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,13 @@ from loader_search.team._storage import (
     outage,
     resolve_storage_url,
 )
-from tests.conftest import MARIADB_URL, POSTGRES_URL, require_database, scratch_database
+from tests.conftest import (
+    MARIADB_URL,
+    POSTGRES_URL,
+    require_database,
+    run_cli,
+    scratch_database,
+)
 
 
 def test_url_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,3 +215,110 @@ def test_busy_and_outage_read_the_drivers_error_under_the_wrappers() -> None:
         "SELECT 1", {}, pymysql.err.OperationalError(1045, "Access denied")
     )
     assert not is_busy(refused)
+
+
+# -- servers that do not answer ---------------------------------------------------------
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port on this machine that accepts connections and never says a word: a proxy in
+    front of a dead server, or another protocol's server (PostgreSQL waits for its client
+    to speak first, so a MySQL client at its port waits for a greeting)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    for connection in accepted:
+        connection.close()
+    listener.close()
+
+
+@pytest.mark.parametrize("scheme", ["mysql+pymysql", "postgresql+psycopg"])
+def test_a_server_that_never_answers_is_one_line_within_the_timeout(
+    silent_port: int, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(storage_module.DB_TIMEOUT_ENV, "2")
+    url = f"{scheme}://someone:s3cretpw@127.0.0.1:{silent_port}/test"
+    started = time.monotonic()
+    for must_exist in (True, False):
+        with pytest.raises(UserError) as caught:
+            open_storage(url, must_exist=must_exist)
+        message = str(caught.value)
+        assert f"127.0.0.1:{silent_port} did not answer within 2 s" in message, message
+        assert storage_module.DB_TIMEOUT_ENV in message and "s3cretpw" not in message
+        assert "\n" not in message
+    assert time.monotonic() - started < 2 * 8  # two tries, each a 2 s wait (libpq's least)
+
+
+def test_the_cli_names_a_silent_server_and_exits_2(silent_port: int, tmp_path: Path) -> None:
+    url = f"mysql+pymysql://root:s3cretpw@127.0.0.1:{silent_port}/test"
+    started = time.monotonic()
+    result = run_cli(
+        "studies", "--storage", url, cwd=tmp_path, env={storage_module.DB_TIMEOUT_ENV: "1"}
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{silent_port} did not answer" in lines[0], lines
+    assert "s3cretpw" not in result.stderr + result.stdout
+    assert time.monotonic() - started < 30  # 1 s of waiting, the rest is importing
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf", "ten", "1e9"])
+def test_a_bad_db_timeout_is_one_line(
+    value: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(storage_module.DB_TIMEOUT_ENV, value)
+    with pytest.raises(UserError, match=rf"{storage_module.DB_TIMEOUT_ENV}=.*from 1 to 3600"):
+        open_storage(POSTGRES_URL)
+    # A SQLite file has no server to wait for: the setting is not read.
+    open_storage(f"sqlite:///{tmp_path / 'ok.db'}").engine.dispose()
+
+
+def test_statements_outlast_the_connect_timeout_on_mariadb(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handshake is bounded by the short connect timeout; a statement, once connected,
+    by the longer statement timeout (pymysql reads both under its read timeout)."""
+    require_database(MARIADB_URL)
+    monkeypatch.setenv(storage_module.DB_TIMEOUT_ENV, "1")
+    storage = open_storage(MARIADB_URL)
+    try:
+        with storage.engine.connect() as connection:
+            slept = connection.execute(sqlalchemy.text("SELECT SLEEP(2.5)")).scalar()
+        assert slept == 0  # SLEEP says 0 when it slept the whole time
+    finally:
+        storage.engine.dispose()
+
+
+def test_engine_options_keep_a_timeout_the_url_sets() -> None:
+    postgres = make_url(POSTGRES_URL)
+    assert storage_module.engine_options(postgres)["connect_args"]["connect_timeout"] == 10
+    own = storage_module.engine_options(postgres.update_query_dict({"connect_timeout": "7"}))
+    assert "connect_timeout" not in own["connect_args"]  # the URL's 7 reaches libpq as given
+    require_database(MARIADB_URL)
+    mariadb = make_url(MARIADB_URL)
+    for parsed, expected in (
+        (mariadb, 10),
+        (mariadb.update_query_dict({"connect_timeout": "7"}), 7),
+    ):
+        connection = storage_module.engine_options(parsed)["creator"]()
+        try:
+            assert connection.connect_timeout == expected
+        finally:
+            connection.close()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import math
 import os
 import re
 import threading
@@ -52,7 +53,9 @@ from loader_search import interrupts
 from loader_search.errors import StudyAborted, UserError
 from loader_search.team._holders import describe_holders, holder_note
 from loader_search.team._lockfiles import (
+    HOST_LOCK,
     LOCK_DIR_ENV,
+    TURNSTILE,
     lock_dir,
     open_folder,
     open_lock_file,
@@ -156,16 +159,14 @@ def host_lock(
         folder_fd = open_folder(folder)
         stack.callback(os.close, folder_fd)
         waiting = _Waiting(on_wait, folder_fd)
-        host = open_lock_file(
-            folder_fd, "host.lock", folder / "host.lock", os.O_RDONLY, share=True
-        )
+        host = open_lock_file(folder_fd, HOST_LOCK, folder / HOST_LOCK, os.O_RDONLY, share=True)
         stack.callback(os.close, host)
         # Turns: waiters pass a turnstile one at a time, and the one in it holds it until it
         # has the host lock. A process that runs trials back to back queues there too, behind
         # whoever already waits, instead of winning every race to the lock. (Among several
         # waiters at the turnstile, the order is not strictly their arrival.)
         turnstile = open_lock_file(
-            folder_fd, "queue.lock", folder / "queue.lock", os.O_RDONLY, share=True
+            folder_fd, TURNSTILE, folder / TURNSTILE, os.O_RDONLY, share=True
         )
         try:
             _take_turn(turnstile, host, waiting)
@@ -273,11 +274,7 @@ def _study_lock(
     elif backend in ("mysql", "mariadb"):
         with engine.connect() as connection:
             name = f"loader_search_study_{study_id}"
-            got = connection.execute(
-                sqlalchemy.text("SELECT GET_LOCK(:name, :timeout)"),
-                {"name": name, "timeout": int(timeout_s)},
-            ).scalar()
-            if got != 1:
+            if not _get_lock(connection, name, timeout_s):
                 raise StudyLockTimeout(waited)
             try:
                 # For the session: the server closes it, and drops its lock, once idle so long.
@@ -309,6 +306,26 @@ def _study_lock(
                 yield
             finally:
                 os.close(fd)  # releases the record lock
+
+
+# One GET_LOCK's wait, in seconds: well inside the connection's statement (read) timeout,
+# `loader_search.team._storage.STATEMENT_TIMEOUT_S`, which would otherwise cut a long wait.
+_GET_LOCK_SLICE_S = 5
+
+
+def _get_lock(connection: sqlalchemy.Connection, name: str, timeout_s: float) -> bool:
+    """MySQL/MariaDB's named lock ``name``, waited for up to ``timeout_s`` in short slices;
+    whether it was got (GET_LOCK says 0 for a wait that ran out, NULL for an error)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait = max(0, min(_GET_LOCK_SLICE_S, math.ceil(deadline - time.monotonic())))
+        got = connection.execute(
+            sqlalchemy.text("SELECT GET_LOCK(:name, :timeout)"), {"name": name, "timeout": wait}
+        ).scalar()
+        if got == 1:
+            return True
+        if got is None or time.monotonic() >= deadline:
+            return False
 
 
 def sqlite_lock_name(database: str) -> str:

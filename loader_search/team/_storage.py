@@ -7,6 +7,7 @@ this module unmasked: every URL shown to a user goes through `mask_url`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sqlite3
@@ -29,6 +30,25 @@ if TYPE_CHECKING:
 
 DEFAULT_STORAGE = "sqlite:///loader_search.db"
 STORAGE_ENV = "LOADER_SEARCH_STORAGE"
+
+# How long a database server may take to answer a new connection: the TCP connect, the
+# greeting and the login. A server or proxy that accepts the connection and then says nothing
+# (a MySQL URL at PostgreSQL's port) would otherwise hold every command for ever.
+DB_TIMEOUT_ENV = "LOADER_SEARCH_DB_TIMEOUT"
+DEFAULT_DB_TIMEOUT_S = 10.0
+_DB_TIMEOUT_RANGE = (1.0, 3600.0)
+# Once connected, how long one statement's answer may take on MySQL/MariaDB (pymysql's read
+# and write timeouts): longer than any statement of this project's, whose one long wait, the
+# study lock, waits in slices well below it (`loader_search.team._locks`). PostgreSQL's
+# statements are bounded by the server (lock_timeout, idle_session_timeout) and a dead peer
+# by TCP keepalives (`_KEEPALIVES`).
+STATEMENT_TIMEOUT_S = 300.0
+_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
 
 # Query parameters that may carry secrets: password, passwd, pwd, sslpassword, api_token...
 _SECRET_KEY = re.compile(r"pass|pwd|secret|token|key", re.IGNORECASE)
@@ -54,6 +74,79 @@ def resolve_storage_url(cli_value: str | None) -> str:
             raise UserError("--storage is empty: give a database URL, or leave it out")
         return cli_value
     return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+
+
+def db_timeout_s() -> float:
+    """Seconds a database server may take to answer a new connection:
+    ``$LOADER_SEARCH_DB_TIMEOUT``, else 10."""
+    text = os.environ.get(DB_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_DB_TIMEOUT_S
+    low, high = _DB_TIMEOUT_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and low <= value <= high):
+        raise UserError(
+            f"{DB_TIMEOUT_ENV}={text[:40]!r}: give the seconds to wait for a database server"
+            f" to answer, from {low:g} to {high:g} (default {DEFAULT_DB_TIMEOUT_S:g})"
+        )
+    return value
+
+
+def engine_options(url: URL) -> dict[str, Any]:
+    """`sqlalchemy.create_engine` keyword arguments that bound every wait on ``url``'s
+    server: the connect timeout (`db_timeout_s`) and, on MySQL/MariaDB, the statement
+    timeout; SQLite's busy timeout. Timeouts that the URL sets itself are left as given."""
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        # Several local workers write to one file: wait for its lock instead of failing.
+        return {"connect_args": {"timeout": 60}}
+    timeout = db_timeout_s()
+    given = set(url.query)
+    if backend == "postgresql":
+        # libpq's connect_timeout covers the whole start-up, login included (2 s at least).
+        args: dict[str, Any] = {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES}
+        return {"connect_args": {key: value for key, value in args.items() if key not in given}}
+    if backend in ("mysql", "mariadb") and url.get_driver_name() == "pymysql":
+        return {"creator": _pymysql_creator(url, timeout)}
+    if backend in ("mysql", "mariadb") and "connect_timeout" not in given:
+        return {"connect_args": {"connect_timeout": max(1, math.ceil(timeout))}}
+    return {}
+
+
+def _pymysql_creator(url: URL, timeout_s: float) -> Callable[[], Any]:
+    """A connection factory for pymysql whose handshake waits at most ``timeout_s``.
+
+    pymysql reads the server's greeting and the login's answer under its *read* timeout, not
+    its connect timeout: without one, a port that accepts and stays silent holds the
+    connection for ever. Once connected, statements get `STATEMENT_TIMEOUT_S` instead (or the
+    URL's own read_timeout / write_timeout)."""
+    cargs, cparams = url.get_dialect()().create_connect_args(url)
+    handshake = {
+        "connect_timeout": timeout_s,
+        "read_timeout": timeout_s,
+        "write_timeout": timeout_s,
+    }
+
+    def connect() -> Any:
+        import pymysql
+
+        connection = pymysql.connect(*cargs, **{**handshake, **cparams})
+        # pymysql applies these to its socket before each read and write, and has no public
+        # setter for them (tests/test_storage.py checks that this still takes effect).
+        connection._read_timeout = cparams.get("read_timeout", STATEMENT_TIMEOUT_S)
+        connection._write_timeout = cparams.get("write_timeout", STATEMENT_TIMEOUT_S)
+        return connection
+
+    return connect
+
+
+def create_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
+    """`sqlalchemy.create_engine` with `engine_options`' timeouts (for this project's own
+    engines beside Optuna's: schema checks, admin connections in tests and benchmarks)."""
+    return sqlalchemy.create_engine(url, **{**engine_options(make_url(url)), **kwargs})
 
 
 def in_memory(url: URL) -> bool:
@@ -168,11 +261,8 @@ def open_storage(
     backend = parsed.get_backend_name()
     if must_exist and backend == "sqlite" and parsed.database and not in_memory(parsed):
         _check_study_file(Path(parsed.database), shown)
-    engine_kwargs: dict[str, Any] = {}
-    if backend == "sqlite":
-        # Several local workers write to one file: wait for its lock instead of failing.
-        engine_kwargs["connect_args"] = {"timeout": 60}
-    else:
+    engine_kwargs = engine_options(parsed)
+    if backend != "sqlite":
         # A worker holds its connections for hours while trials train, and the server may
         # restart meanwhile: test each connection before use, and recycle old ones. Two
         # connections at most, so that a server's 100 serve a team of 50: one holds the study
@@ -290,6 +380,13 @@ def _open_error(exc: Exception, url: str, shown: str) -> UserError:
             " raise the server's connection limit (PostgreSQL max_connections, MySQL"
             " max_connections) or run fewer workers, or wait for it to finish starting"
         )
+    if is_transient(exc) and timed_out(exc):
+        return UserError(
+            f"storage {shown}: {_address(url)} did not answer within {db_timeout_s():g} s"
+            " (another kind of server on that port, or a firewall that drops the"
+            f" connection?); check the URL's host and port, or set {DB_TIMEOUT_ENV} to wait"
+            " longer"
+        )
     if is_transient(exc):
         # Optuna wraps errors raised at commit: the driver's own message is the cause's.
         cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
@@ -308,9 +405,33 @@ def _open_error(exc: Exception, url: str, shown: str) -> UserError:
     )
 
 
+# What the drivers say when a timeout ran out: pymysql ("... (timed out)"), psycopg
+# ("connection timeout expired"), the socket module ("timed out").
+_TIMED_OUT_WORDS = ("timed out", "timeout expired")
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether the database driver gave up waiting for the server (a timeout ran out)."""
+    text = str(_driver_error(exc)).lower()
+    return any(words in text for words in _TIMED_OUT_WORDS)
+
+
+_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
+
+
+def _address(url: str) -> str:
+    """``host:port`` of a server URL, with the backend's default port when it gives none."""
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return "the server"
+    port = parsed.port or _DEFAULT_PORTS.get(parsed.get_backend_name())
+    return f"{parsed.host or 'localhost'}:{port}" if port else (parsed.host or "localhost")
+
+
 def _check_schema(url: str, shown: str) -> None:
     """A server database must already hold Optuna's tables for a read or a join."""
-    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    engine = create_engine(url, poolclass=sqlalchemy.pool.NullPool)
     try:
         tables = set(sqlalchemy.inspect(engine).get_table_names())
     finally:
