@@ -140,6 +140,21 @@ def test_class_folders_are_split_per_class(tmp_path: Path, image_root: Path) -> 
     assert len(capped.val_dataset) == 4 and set(capped.val_dataset.paths) <= set(val.paths)
 
 
+@pytest.mark.timeout(60)
+def test_a_symlink_loop_under_the_root_ends_and_linked_classes_count(
+    tmp_path: Path, image_root: Path
+) -> None:
+    flat = tmp_path / "flat"
+    shutil.copytree(image_root / "train", flat)
+    classes = sorted(p.name for p in flat.iterdir())
+    (flat / classes[0] / "loop").symlink_to("..")  # back up the tree: walked for ever before
+    elsewhere = tmp_path / "kept-elsewhere"
+    shutil.move(flat / classes[1], elsewhere)
+    (flat / classes[1]).symlink_to(elsewhere)  # a class folder linked in: followed
+    workload = load_workload("image-folder", tiny(flat, val_fraction=0.25))
+    assert len(workload.train_dataset) + len(workload.val_dataset) == 24  # each image once
+
+
 def test_crops_follow_torchvisions_rules() -> None:
     rng = random.Random(0)
     for _ in range(2000):

@@ -16,6 +16,7 @@ from loader_search.study._config import StudyConfig
 from loader_search.study._fit import fit_space, sample_bytes
 from loader_search.study._keys import STUDY_HARDWARE_ATTR
 from loader_search.study._space import ResolvedSpace
+from loader_search.study._timings import check_timings_file
 from loader_search.team._hardware import Hardware, collect, gpu_count
 from loader_search.team._lockfiles import check_lock_folder
 from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
@@ -37,6 +38,7 @@ def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, H
     (in that order: pinning must precede any question to CUDA)."""
     device = resolve_device(_pin(machine.cpus, machine.gpu, config.device))
     check_lock_folder()  # trials will take the host lock there: refuse a bad one now
+    check_timings_file()  # and append their timings here, if asked to
     gpus = 1 if machine.gpu is not None else None
     return device, collect(device.type, usable_cpus(), gpus)
 

@@ -10,11 +10,15 @@ to a file (the clock still runs: a few ``perf_counter`` calls per trial).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+
+from loader_search.errors import UserError
 
 TIMINGS_ENV = "LOADER_SEARCH_TIMINGS"
 
@@ -69,8 +73,40 @@ class Clock:
             **{f"{name}_ms": round(ms, 3) for name, ms in self.parts.items()},
         }
         data = (json.dumps(line) + "\n").encode()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fd = _open_timings(path)
+        except (OSError, UserError):
+            return  # planted since `check_timings_file` looked: the trial's result matters more
         try:
             os.write(fd, data)  # one write to an O_APPEND file: lines never interleave
         finally:
             os.close(fd)
+
+
+def _open_timings(path: str) -> int:
+    """``path`` opened to append, never through a symlink (root would append to whatever file
+    a planted link names) and only as a regular file (a FIFO would hang the worker)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(
+                f"${TIMINGS_ENV} {path} is a symlink, which loader-search never follows (it"
+                " could point at any file); name a file of your own"
+            ) from None
+        raise UserError(
+            f"${TIMINGS_ENV} {path}: cannot open it ({exc.strerror}); name a file you can write"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"${TIMINGS_ENV} {path} is not a regular file; name a file of your own")
+    return fd
+
+
+def check_timings_file() -> None:
+    """Refuse, before a worker starts, a ``$LOADER_SEARCH_TIMINGS`` file it could not append
+    to safely (see `_open_timings`)."""
+    path = os.environ.get(TIMINGS_ENV)
+    if path:
+        os.close(_open_timings(path))

@@ -38,10 +38,21 @@ def lock_dir() -> Path:
     return Path(configured) if configured else shared / "loader-search-locks"
 
 
+HOST_LOCK = "host.lock"  # held by every trial (see `loader_search.team._locks`)
+TURNSTILE = "queue.lock"  # where waiters for it take turns
+
+
 def check_lock_folder() -> None:
-    """Refuse, before a study is touched, a lock folder that `open_folder` would refuse when
-    the first trial takes the host lock."""
-    os.close(open_folder(lock_dir()))
+    """Refuse, before a study is touched, a lock folder or a host lock file that the first
+    trial would refuse when it takes the host lock (a planted symlink, another user's
+    unreadable file)."""
+    folder = lock_dir()
+    folder_fd = open_folder(folder)
+    try:
+        for name in (HOST_LOCK, TURNSTILE):
+            os.close(open_lock_file(folder_fd, name, folder / name, os.O_RDONLY, share=True))
+    finally:
+        os.close(folder_fd)
 
 
 def user_name(uid: int) -> str:
@@ -57,8 +68,8 @@ def open_folder(path: Path) -> int:
     links to ours (see `_check_folder`); lock files are then opened relative to the descriptor,
     so the folder itself cannot be swapped between this check and their use."""
     created = False
+    _make_parents(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(path, 0o700)  # widened below, once we know the folder opened is this one
         created = True
     except FileExistsError:
@@ -88,6 +99,59 @@ def open_folder(path: Path) -> int:
     return fd
 
 
+_MAX_SYMLINKS = 40  # as the kernel's own limit on links followed in one path
+
+
+def _make_parents(path: Path) -> None:
+    """Create the missing folders above the lock folder ``path``, one at a time, following
+    only symlinks that root or we own. ``mkdir(parents=True)`` follows any: a link planted
+    by another user in a shared folder (``<shared>/sym -> /etc``) would have root make the
+    world-writable lock folder under /etc."""
+    parts = list((Path.cwd() / path).parts[1:-1])  # not normalised: ".." is walked below
+    current = Path("/")
+    links = 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = current.parent  # ``current`` never holds a symlink: this is its parent
+            continue
+        candidate = current / name
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            try:
+                os.mkdir(candidate, 0o755)
+            except FileExistsError:
+                parts.insert(0, name)  # made meanwhile (by whom?): look at it again
+                continue
+            except OSError as exc:
+                raise UserError(
+                    f"cannot create the lock folder {path}: {candidate} ({exc.strerror});"
+                    f" set {LOCK_DIR_ENV} to a folder you own"
+                ) from None
+            current = candidate
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            if info.st_uid not in (0, os.geteuid()):
+                raise UserError(
+                    f"the lock folder {path} lies under {candidate}, a symlink owned by uid"
+                    f" {info.st_uid} ({user_name(info.st_uid)}), who could point it at any"
+                    f" folder; {_FIX_FOLDER}"
+                )
+            links += 1
+            if links > _MAX_SYMLINKS:
+                raise UserError(f"the lock folder {path}: too many symlinks; {_FIX_FOLDER}")
+            target = Path(os.readlink(candidate))
+            parts = list(target.parts[1:] if target.is_absolute() else target.parts) + parts
+            current = Path("/") if target.is_absolute() else current
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            raise UserError(f"the lock folder {path}: {candidate} is not a folder; {_FIX_FOLDER}")
+        current = candidate
+
+
 def _check_folder(path: Path, info: os.stat_result) -> None:
     """Refuse a folder whose entries a user other than us (and root) can rename or remove:
     one owned by another user, or writable by others without the sticky bit."""
@@ -109,10 +173,11 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
     """Open the lock file ``name`` in the folder ``folder_fd`` with ``flags`` (``O_RDONLY`` is
     enough for ``flock``), creating it if missing; ``shown`` is its path for messages.
 
-    Never follows a symlink, never opens anything but a regular file with a single link, and
-    chmods only a file it has just created: with ``share``, to 0o666, so that other users'
-    workers can open it too. ``O_NONBLOCK`` so that a FIFO planted there cannot hang the open
-    (it is refused once open); on a regular file it changes nothing."""
+    Never follows a symlink, never opens anything but a regular file (a hard link is let
+    be: see `_check_lock_file`), and chmods only a file it has just created: with ``share``,
+    to 0o666, so that other users' workers can open it too. ``O_NONBLOCK`` so that a FIFO
+    planted there cannot hang the open (it is refused once open); on a regular file it
+    changes nothing."""
     flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(_OPEN_TRIES):
         try:
@@ -135,6 +200,8 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
                 ) from None
             if exc.errno == errno.EISDIR:
                 raise UserError(f"the lock file {shown} is a folder; remove it") from None
+            if exc.errno == errno.EACCES:
+                raise _unreadable(folder_fd, name, shown) from None
             raise
         try:
             _check_lock_file(shown, os.fstat(fd))
@@ -145,6 +212,21 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
     raise UserError(
         f"cannot open the lock file {shown}: it was removed {_OPEN_TRIES} times in a row as it"
         " was opened; find what keeps removing it"
+    )
+
+
+def _unreadable(folder_fd: int, name: str, shown: Path) -> UserError:
+    """The error for a lock file another user made that we may not open: they can hold every
+    other user's trials off the machine (on purpose or by a narrow umask)."""
+    try:
+        info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+    except OSError:
+        return UserError(f"the lock file {shown} cannot be opened (permission denied); remove it")
+    return UserError(
+        f"the lock file {shown} belongs to uid {info.st_uid} ({user_name(info.st_uid)}) and"
+        f" is not open to you (mode {stat.S_IMODE(info.st_mode):o}): ask them or root to"
+        f" remove it (lock files must be readable by every user), or set {LOCK_DIR_ENV} to a"
+        " folder of your own"
     )
 
 

@@ -210,8 +210,12 @@ def _class_folders(folder: Path) -> tuple[list[str], list[Sample]]:
         raise ValueError(f"cannot read folder {str(folder)!r}: {exc.strerror}") from None
     classes = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
     samples: list[Sample] = []
+    # The root and every class folder are walked once, as themselves: a link that leads
+    # back to one of them (a loop) is not followed again from inside another.
+    tops = {_folder_id(folder), *(_folder_id(folder / name) for name in classes)}
     for label, name in enumerate(classes):
-        files = _images_below(folder / name)
+        own = _folder_id(folder / name)
+        files = _images_below(folder / name, seen=tops - {own})
         if not files:
             raise ValueError(
                 f"class folder {str(folder / name)!r} holds no images ({layout}); add images"
@@ -230,9 +234,23 @@ def _class_folders(folder: Path) -> tuple[list[str], list[Sample]]:
     return classes, samples
 
 
-def _images_below(folder: Path) -> list[str]:
+def _folder_id(path: Path | str) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_dev, info.st_ino
+
+
+def _images_below(folder: Path, seen: set[tuple[int, int]]) -> list[str]:
+    """The image files under ``folder``, in a stable order. Symlinked folders are followed
+    (class folders often link to data kept elsewhere), each real folder once and none in
+    ``seen``: a link back up the tree would otherwise be walked for ever."""
     found = []
+    seen = set(seen)
     for directory, subfolders, files in os.walk(folder, followlinks=True):
+        here = _folder_id(directory)
+        if here in seen:
+            subfolders.clear()  # met before, through another path: a loop, or a second link
+            continue
+        seen.add(here)
         subfolders.sort()
         found += [
             os.path.join(directory, name)
