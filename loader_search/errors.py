@@ -7,6 +7,8 @@ and is reported as such.
 
 from __future__ import annotations
 
+import re
+
 
 class UserError(Exception):
     """Bad input from the user: a wrong config value, URL, workload or study name.
@@ -45,6 +47,19 @@ def _escaped(text: str) -> str:
     escape sequences) escaped as TOML writes them, so a message stays one safe line."""
     text = text.replace("\\", "\\\\").replace('"', '\\"')
     return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
+
+
+# Characters a terminal acts on: C0 controls (ESC starts colour, cursor and OSC title
+# sequences), DEL and C1 controls. Tabs and newlines are left as they are.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: each control character written as ``\\xNN``.
+    For every string that comes from a database or a file others write (study names,
+    attributes, error messages): an escape sequence planted there must not reach the
+    terminal of whoever lists the study."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 class TrainingDiverged(RuntimeError):

@@ -156,6 +156,21 @@ _LATER_DEFAULTS: dict[str, Any] = {
     "backend": "process",
 }
 
+# The types each stored loader setting may have, and its range's rule in `RANGES` (the
+# strings are checked against their choices by `LoaderParams` itself).
+_STORED_FIELDS: dict[str, tuple[tuple[type, ...], str | None]] = {
+    "batch_size": ((int,), "space.batch_size"),
+    "num_workers": ((int,), "space.num_workers"),
+    "prefetch_factor": ((int, type(None)), "space.prefetch_factor"),
+    "pin_memory": ((bool,), None),
+    "persistent_workers": ((bool,), None),
+    "torch_threads": ((int,), "space.torch_threads"),
+    "accumulation_steps": ((int,), "space.batch_size"),
+    "in_order": ((bool,), None),
+    "start_method": ((str, type(None)), None),
+    "backend": ((str,), None),
+}
+
 
 @dataclass(frozen=True)
 class LoaderParams:
@@ -246,8 +261,30 @@ class LoaderParams:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> LoaderParams:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """Settings as `as_dict` stored them, or as Optuna's params hold them. Checked as
+        the database may hold anything (other hands write it): a `ValueError` says what is
+        wrong with a value of the wrong type or out of range; unknown keys are ignored."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"loader settings must be a table, got {type(values).__name__}")
+        kwargs: dict[str, Any] = {}
+        for name, (kinds, rule) in _STORED_FIELDS.items():
+            if name not in values:
+                continue
+            value = values[name]
+            if value is None and type(None) in kinds:
+                kwargs[name] = None
+                continue
+            if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+                raise ValueError(f"loader setting {name} = {value!r} has the wrong type")
+            if rule is not None:
+                try:
+                    check_value(name, value, rule)
+                except ConfigError as exc:
+                    raise ValueError(f"loader setting {exc}") from None
+            kwargs[name] = value
+        if "batch_size" not in kwargs:
+            raise ValueError("loader settings without a batch_size")
+        return cls(**kwargs)  # its own checks raise ValueError too
 
     def loader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.utils.data.DataLoader`` (threads are not a loader arg)."""

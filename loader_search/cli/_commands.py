@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 
 from loader_search.cli._console import (
     DEBUG_ENV,
@@ -25,6 +24,7 @@ from loader_search.cli._console import (
     print_study_ready,
     report_destination,
     reports_errors,
+    shown,
     write_report,
 )
 
@@ -117,16 +117,26 @@ LossToleranceOption = Annotated[
 ]
 
 
+_MAX_CPU = 8191  # Linux's largest CPU number (NR_CPUS is 8192 at most)
+
+
 def _parse_cpus(text: str | None) -> tuple[int, ...] | None:
     """``0-3,8`` -> (0, 1, 2, 3, 8)."""
     if text is None:
         return None
-    wrong = UserError(f"--cpus {text!r}: use CPU numbers and ranges, e.g. 0-3 or 0,2,4")
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    wrong = UserError(f"--cpus {shown!r}: use CPU numbers and ranges, e.g. 0-3 or 0,2,4")
     cpus: set[int] = set()
     try:
         for part in text.split(","):
             low, _, high = part.strip().partition("-")
-            cpus.update(range(int(low), int(high or low) + 1))
+            first, last = int(low), int(high or low)
+            if max(first, last) > _MAX_CPU:
+                raise UserError(
+                    f"--cpus {shown!r}: CPU {max(first, last)} does not exist (Linux numbers"
+                    f" them 0 to {_MAX_CPU} at most); give the CPUs of this machine, e.g. 0-3"
+                )
+            cpus.update(range(first, last + 1))
     except ValueError:
         raise wrong from None
     if not cpus or min(cpus) < 0:
@@ -407,7 +417,7 @@ def studies(storage: StorageOption = None) -> None:
     from optuna.trial import TrialState
 
     from loader_search.study._config import StudyConfig
-    from loader_search.study._keys import BUDGET_ATTR, DIRECTIONS, study_tolerance
+    from loader_search.study._keys import BUDGET_ATTR, DIRECTIONS, study_budget, study_tolerance
     from loader_search.study._recommend import hardware_classes, summarize
     from loader_search.team._storage import open_storage, resolve_storage_url
 
@@ -419,20 +429,28 @@ def studies(storage: StorageOption = None) -> None:
         trials = study.get_trials(deepcopy=False)
         throughput: float | None = None
         speedup: str | None = "per machine: see best"
-        if len(study.directions) != len(DIRECTIONS):
-            speedup = "not a loader-search study"
-        elif len(hardware_classes(study)) <= 1:
-            summary = summarize(study, study_tolerance(study, StudyConfig().loss_tolerance))
-            rec = summary.recommended
-            throughput = rec.point.throughput if rec else None
-            speedup = _short_speedup(rec) if rec else None
+        budget = study.user_attrs.get(BUDGET_ATTR)
+        try:
+            if len(study.directions) != len(DIRECTIONS):
+                speedup = "not a loader-search study"
+            elif len(hardware_classes(study)) <= 1:
+                tolerance = study_tolerance(name, study.user_attrs, StudyConfig().loss_tolerance)
+                summary = summarize(study, tolerance)
+                rec = summary.recommended
+                throughput = rec.point.throughput if rec else None
+                speedup = _short_speedup(rec) if rec else None
+            budget = study_budget(name, study.user_attrs, 1) if budget is not None else None
+        except UserError:
+            # One study's damaged settings must not hide the others: marked, and `best`
+            # says what is wrong and how to fix it.
+            throughput, speedup, budget = None, f"damaged settings: see `best {name}`", None
         rows.append(
             StudyRow(
                 name=name,
                 complete=sum(t.state == TrialState.COMPLETE for t in trials),
                 failed=sum(t.state == TrialState.FAIL for t in trials),
                 running=sum(t.state == TrialState.RUNNING for t in trials),
-                budget=study.user_attrs.get(BUDGET_ATTR),
+                budget=budget,
                 recommended_throughput=throughput,
                 speedup=speedup,
             )
@@ -477,7 +495,7 @@ def doctor(
 
     workload = None
     if cfg is not None:
-        with console.status(escape(f"building workload {cfg.workload}") + " ..."):
+        with console.status(shown(f"building workload {cfg.workload}") + " ..."):
             workload = load_workload(cfg.workload, cfg.workload_options)
     checks = diagnose(cfg, storage, workload)
     print_checks(checks)
@@ -537,7 +555,7 @@ def make_images(
             raise UserError(f"cannot write images under {str(root)!r}: {exc}") from None
     use = f'[workload] name = "image-folder", options = {{ root = "{root}" }}'
     console.print(
-        escape(
+        shown(
             f"{root}: {written:,} images written, {spec.total - written:,} already there"
             f" ({spec.classes} classes, train/ and val/). Use it with: {use}"
         ),

@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from loader_search.errors import StudyAborted, UserError
+from loader_search.errors import StudyAborted, UserError, printable
 from loader_search.team._storage import describe_driver_error, is_transient, scrub_urls
 
 if TYPE_CHECKING:
@@ -38,6 +38,14 @@ if TYPE_CHECKING:
     from loader_search.study._events import StudyInfo, TrialEvent
 
 DEBUG_ENV = "LOADER_SEARCH_DEBUG"
+
+
+def shown(text: str) -> str:
+    """A string from a database, a file or a message, ready for the console: control
+    characters written out (`printable`: a planted escape sequence never reaches the
+    terminal) and rich's markup escaped."""
+    return escape(printable(text))
+
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
@@ -89,8 +97,9 @@ def reports_errors(command: F) -> F:
 def _print_error(line: str) -> None:
     """One ``error: ...`` line on stderr; the traceback before it only under --debug."""
     if os.environ.get(DEBUG_ENV):
-        traceback.print_exc(file=sys.stderr)
-    err_console.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
+        # Scrubbed like the line: a traceback quotes URLs and connection strings.
+        sys.stderr.write(printable(scrub_urls(traceback.format_exc())))
+    err_console.print(f"[red]error:[/] {shown(line)}", soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -165,22 +174,22 @@ def write_report(data: ReportData, fmt: str, output: Path | None, study: str) ->
         raise UserError(
             f"cannot write the report to {str(output)!r}: {exc.strerror or exc}; pick another -o"
         ) from None
-    console.print(escape(f"Report of {study} written to {output}"))
+    console.print(shown(f"Report of {study} written to {output}"))
 
 
 def print_notes(notes: Iterable[str], out: Console = console) -> None:
     """The service's notes (a narrowed space, a replaced config), one indented line each."""
     for note in notes:
-        out.print(f"  [yellow]note:[/] {escape(note)}")
+        out.print(f"  [yellow]note:[/] {shown(note)}")
 
 
 def print_study_ready(info: StudyInfo) -> None:
     """`init`'s answer: the study exists, and how to put workers on it."""
     verb = "Created" if info.created else "Updated"
     console.print(
-        f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}:"
+        f"{verb} study [bold]{shown(info.name)}[/] in {shown(info.storage)}:"
         f" {info.finished}/{info.budget} trials done. Start workers with\n"
-        f"  loader-search worker {escape(info.name)} --storage URL"
+        f"  loader-search worker {shown(info.name)} --storage URL"
     )
     print_notes(info.notes)
 
@@ -190,10 +199,10 @@ def print_dashboard_ready(storage: str, address: str, host: str) -> None:
 
     ``storage`` must already be masked: it is printed as given.
     """
-    console.print(escape(f"Dashboard of {storage} at {address} (Ctrl-C to stop)"), soft_wrap=True)
+    console.print(shown(f"Dashboard of {storage} at {address} (Ctrl-C to stop)"), soft_wrap=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         console.print(
-            f"[yellow]note:[/] listening on {escape(host)}: anyone who can reach this"
+            f"[yellow]note:[/] listening on {shown(host)}: anyone who can reach this"
             " machine can see and edit the studies (the dashboard has no login)"
         )
 
@@ -215,21 +224,21 @@ class StudyRow:
 def print_studies(storage: str, rows: Sequence[StudyRow]) -> None:
     """The `studies` table; ``storage`` must already be masked."""
     if not rows:
-        console.print(escape(f"No studies in {storage}."))
+        console.print(shown(f"No studies in {storage}."))
         return
-    table = Table(title=escape(f"Studies in {storage}"))
+    table = Table(title=shown(f"Studies in {storage}"))
     columns = ("study", "complete", "failed", "running", "budget", "recommended samples/s")
     for column in (*columns, "speedup"):
         table.add_column(column, justify="left" if column in ("study", "speedup") else "right")
     for row in rows:
         table.add_row(
-            escape(row.name),
+            shown(row.name),
             str(row.complete),
             str(row.failed),
             str(row.running),
             str(row.budget) if row.budget is not None else "-",
             f"{row.recommended_throughput:,.0f}" if row.recommended_throughput else "-",
-            escape(row.speedup or "-"),
+            shown(row.speedup or "-"),
         )
     console.print(table)
 
@@ -245,10 +254,10 @@ def print_checks(checks: Sequence[Check]) -> None:
     for check in checks:
         style = _VERDICT_STYLE[check.verdict]
         table.add_row(
-            escape(check.name),
+            shown(check.name),
             f"[{style}]{check.verdict}[/]",
-            escape(check.detail),
-            escape(check.fix),
+            shown(check.detail),
+            shown(check.fix),
         )
     console.print(table)
 
@@ -276,13 +285,13 @@ class RichReporter:
         take a while). Where output is not a terminal (a log), a spinner shows nothing: each
         message is a line instead (a wait repeats its line while it lasts)."""
         if not self.console.is_terminal:
-            self.console.print(f"  {escape(what)} ...", soft_wrap=True)
+            self.console.print(f"  {shown(what)} ...", soft_wrap=True)
             return
         if self.status is None:
-            self.status = self.console.status(escape(what) + " ...")
+            self.status = self.console.status(shown(what) + " ...")
             self.status.start()
         else:
-            self.status.update(escape(what) + " ...")
+            self.status.update(shown(what) + " ...")
 
     def _stop_status(self) -> None:
         if self.status is not None:
@@ -293,9 +302,9 @@ class RichReporter:
         self._stop_status()
         verb = "Created" if info.created else "Continuing"
         self.console.print(
-            f"{verb} study [bold]{escape(info.name)}[/] in {escape(info.storage)}\n"
-            f"  workload: {escape(info.workload)}\n"
-            f"  hardware: {escape(info.device)} (class {info.hardware_class});"
+            f"{verb} study [bold]{shown(info.name)}[/] in {shown(info.storage)}\n"
+            f"  workload: {shown(info.workload)}\n"
+            f"  hardware: {shown(info.device)} (class {info.hardware_class});"
             f" {info.finished}/{info.budget} trials done",
             soft_wrap=True,
         )
@@ -334,11 +343,11 @@ class RichReporter:
             label = "[yellow]infeasible[/]" if event.state == "infeasible" else "[red]failed[/]"
             self.console.print(
                 f"  #{event.number:<3} {label} ({event.duration_s:.1f}s) {settings}:"
-                f" {escape(event.failure or '')}",
+                f" {shown(event.failure or '')}",
                 soft_wrap=True,
             )
             if event.hint:
-                self.console.print(f"       [dim]hint: {escape(event.hint)}[/]", soft_wrap=True)
+                self.console.print(f"       [dim]hint: {shown(event.hint)}[/]", soft_wrap=True)
         if self.task is not None:
             best = (
                 f"Pareto {event.pareto_size} | best {event.best_throughput:,.0f} samples/s"
@@ -349,7 +358,7 @@ class RichReporter:
             self.progress.update(self.task, completed=event.finished, best=best, running="")
 
     def warning(self, what: str) -> None:
-        self.console.print(f"  [yellow]warning:[/] {escape(what)}", soft_wrap=True)
+        self.console.print(f"  [yellow]warning:[/] {shown(what)}", soft_wrap=True)
 
     def close(self) -> None:
         self._stop_status()

@@ -9,12 +9,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from loader_search.cli._console import console
+from loader_search.cli._console import console, shown
 
 if TYPE_CHECKING:
     from loader_search.study._recommend import PipelineView, StudySummary
@@ -85,10 +84,10 @@ def print_summary(summary: StudySummary) -> None:
     if summary.n_running:
         trials += f", {summary.n_running} running"
     if not summary.pareto:
-        out.print(escape(f"Study {summary.study_name}: {trials}; no completed trial yet."))
+        out.print(shown(f"Study {summary.study_name}: {trials}; no completed trial yet."))
         return
     base = summary.baseline
-    table = Table(title=escape(f"Pareto front of {summary.study_name} ({trials})"))
+    table = Table(title=shown(f"Pareto front of {summary.study_name} ({trials})"))
     columns = ("#", "batch", "workers", "prefetch", "persist", "pin", "threads", "samples/s")
     for column in (*columns, "spread", "eff", "val_loss", "vs base"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -145,7 +144,7 @@ def print_summary(summary: StudySummary) -> None:
         )
     if summary.baseline_doubt is not None:
         out.print(
-            f"[bold yellow]Warning:[/] {escape(summary.baseline_doubt)}; the loss tolerance is"
+            f"[bold yellow]Warning:[/] {shown(summary.baseline_doubt)}; the loss tolerance is"
             " applied to the best val_loss of the study instead (see the rule below)",
             soft_wrap=True,
         )
@@ -166,10 +165,10 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
             " setting within the loss tolerance was found; try more trials"
         )
     elif rec.verdict == "no_reliable_gain":
-        headline = f"[bold]Recommended:[/] {escape(rec.speedup_text() or '')}"
+        headline = f"[bold]Recommended:[/] {shown(rec.speedup_text() or '')}"
     elif rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
         headline += (
-            f" = [bold]{escape(rec.speedup_text() or '')}[/], val_loss"
+            f" = [bold]{shown(rec.speedup_text() or '')}[/], val_loss"
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
         )
     out.print(headline, soft_wrap=True)

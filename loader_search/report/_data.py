@@ -55,7 +55,7 @@ from loader_search.study._points import (
     is_feasible,
     pareto_front,
     points_of,
-    trial_point,
+    trial_points,
 )
 from loader_search.study._recommend import StudySummary, hypervolume_2d, summarize
 
@@ -251,7 +251,7 @@ def collect(
         summary=summary,
         trials=rows,
         points=points_of(all_trials).points,
-        optuna_front_trials=len(pareto_front([trial_point(t) for t in feasible])),
+        optuna_front_trials=len(pareto_front(trial_points(feasible))),
         n_running=sum(t.state == TrialState.RUNNING for t in all_trials),
         input_bound_threshold=INPUT_BOUND_THRESHOLD,
         hypervolume=hypervolume_history(finished),
@@ -292,9 +292,9 @@ def _first_line(value: Any) -> str | None:
 def _params(trial: FrozenTrial) -> LoaderParams | None:
     stored = trial.user_attrs.get(PARAMS_ATTR) or trial.params
     try:
-        return LoaderParams.from_dict(stored) if stored.get("batch_size") else None
-    except (TypeError, ValueError):
-        return None  # a trial that failed before its settings were complete
+        return LoaderParams.from_dict(stored)
+    except ValueError:
+        return None  # failed before its settings were complete, or a damaged record
 
 
 def _duration(trial: FrozenTrial) -> float | None:

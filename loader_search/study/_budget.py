@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from loader_search.params import RANGES
 from loader_search.study._config import StudyConfig
 from loader_search.study._confirm import (
     ConfirmSettings,
@@ -30,7 +31,8 @@ from loader_search.study._keys import (
     CONFIRMATION_ATTR,
     FAILURE_REASON,
     RETRY_HISTORY,
-    TOLERANCE_ATTR,
+    stored_setting,
+    study_tolerance,
 )
 from loader_search.trial._failures import INTERRUPTED
 
@@ -103,19 +105,33 @@ def needs_baseline(trials: Sequence[FrozenTrial]) -> bool:
     return not any(t.user_attrs.get(BASELINE_ATTR) for t in trials if t.state in _BASELINE_PRESENT)
 
 
-def confirm_settings(attrs: Mapping[str, Any], config: StudyConfig) -> ConfirmSettings:
-    """The confirmation settings as the study stores them (``run`` and ``init`` do), else
-    the config's, so every worker applies the same ones. A study stored before the paired
-    rounds has ``repeats``: it stands for the minimum of rounds."""
+def confirm_settings(
+    attrs: Mapping[str, Any], config: StudyConfig, study: str = "?"
+) -> ConfirmSettings:
+    """The confirmation settings as the study ``study`` stores them (``run`` and ``init`` do),
+    else the config's, so every worker applies the same ones; each checked against its rule
+    (`stored_setting`). A study stored before the paired rounds has ``repeats``: it stands
+    for the minimum of rounds."""
     stored = attrs.get(CONFIRM_ATTR) or {}
+
+    def setting(key: str, default: Any) -> Any:
+        rule = f"study.confirm_{key}"
+        return stored_setting(study, stored, key, default, rule, shown=f"{CONFIRM_ATTR}.{key}")
+
+    if not isinstance(stored, Mapping):
+        setting("top", None)  # says what is wrong with it
     # An interval needs 2 rounds; older studies allowed 1 repeat.
-    low = max(2, int(stored.get("min_rounds", stored.get("repeats", config.confirm_min_rounds))))
+    older = stored.get("repeats")
+    if "min_rounds" not in stored and isinstance(older, int) and not isinstance(older, bool):
+        low = max(2, min(older, int(RANGES["study.confirm_min_rounds"].high)))
+    else:
+        low = int(setting("min_rounds", config.confirm_min_rounds))
     return ConfirmSettings(
-        top=int(stored.get("top", config.confirm_top)),
+        top=int(setting("top", config.confirm_top)),
         min_rounds=low,
-        max_rounds=max(low, int(stored.get("max_rounds", config.confirm_max_rounds))),
-        half_width=float(stored.get("half_width", config.confirm_half_width)),
-        loss_tolerance=float(attrs.get(TOLERANCE_ATTR, config.loss_tolerance)),
+        max_rounds=max(low, int(setting("max_rounds", config.confirm_max_rounds))),
+        half_width=float(setting("half_width", config.confirm_half_width)),
+        loss_tolerance=study_tolerance(study, attrs, config.loss_tolerance),
     )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -168,16 +170,18 @@ def load_config(path: str | Path) -> StudyConfig:
     """Read and validate a study config file."""
     path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"config file {source!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read config file {source!r}: {exc}") from None
+    text = _read_config_file(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{source}: not valid TOML: {exc}") from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise UserError(
+            f"{source}: not valid TOML for a study: an integer of thousands of digits; no"
+            " setting takes one (docs/configuration.md lists their ranges)"
+        ) from None
+    except RecursionError:
+        raise UserError(f"{source}: not valid TOML: arrays or tables nested too deep") from None
     config = parse_config(data, source=source)
     if config.name is None:
         config = replace(config, name=path.stem)
@@ -194,9 +198,50 @@ def load_config(path: str | Path) -> StudyConfig:
     return replace(config, workload=spec, workload_options=options)
 
 
+# A study config is a page of TOML: anything far larger is not one (/dev/zero, a log).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config_file(path: Path) -> str:
+    """The text of the config file ``path``: a regular file of at most `MAX_CONFIG_BYTES`, in
+    UTF-8 (a device or a FIFO is refused before it is read)."""
+    source = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UserError(f"config file {source!r} does not exist") from None
+    except OSError as exc:
+        raise UserError(f"cannot read config file {source!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"config file {source!r} is not a regular file: give a .toml file")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise UserError(f"cannot read config file {source!r}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UserError(
+            f"config file {source!r} is larger than {MAX_CONFIG_BYTES // 1024} KiB: not a study"
+            " config; give the .toml file"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"cannot read config file {source!r}: not UTF-8 text ({exc.reason})"
+        ) from None
+
+
 def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConfig:
-    """Validate a config already parsed from TOML (or written as a dict in Python)."""
-    document = copy.deepcopy(dict(data))
+    """Validate a config already parsed from TOML (or written as a dict in Python, or read
+    back from a study, where anyone who can write the database may have put anything)."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"{source}: must be a table of settings, got {show_value(data)}")
+    try:
+        document = copy.deepcopy(dict(data))
+    except RecursionError:
+        raise UserError(f"{source}: nested too deep to be a study config") from None
     top = Table(source, "", data)
     study = top.table("study")
     sampler = top.table("sampler")

@@ -12,6 +12,7 @@ from typing import Protocol, TextIO
 import optuna
 import torch
 
+from loader_search.errors import printable
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig
 from loader_search.study._space import ResolvedSpace
@@ -95,7 +96,7 @@ class LineReporter:
 
     def _line(self, text: str) -> None:
         stream = self.stream if self.stream is not None else sys.stderr
-        stream.write(f"{self.PREFIX} {text}\n")
+        stream.write(f"{self.PREFIX} {printable(text)}\n")  # names from the database
         stream.flush()
 
     def preparing(self, what: str) -> None:

@@ -12,12 +12,13 @@ The measurements a trial stores are the fields of `loader_search.trial._run.Tria
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
-import optuna
 from optuna.trial import FrozenTrial
 
-from loader_search.params import LoaderParams
+from loader_search.errors import ConfigError, UserError, show_value
+from loader_search.params import LoaderParams, check_value
 from loader_search.trial._failures import CUDA_OOM, HOST_OOM
 
 # -- Objectives (Optuna's values, in this order; their names are the study's metric names) --
@@ -133,14 +134,50 @@ def trial_hardware_class(trial: FrozenTrial) -> str | None:
 
 
 def stored_params(trial: FrozenTrial) -> LoaderParams | None:
-    """The effective settings a trial stored (``loader_params``), or None before it did."""
+    """The effective settings a trial stored (``loader_params``), or None before it did, or
+    when what it stored cannot be read (a damaged record is left out, not fatal)."""
     stored = trial.user_attrs.get(PARAMS_ATTR)
-    return LoaderParams.from_dict(stored) if stored else None
+    if not stored:
+        return None
+    try:
+        return LoaderParams.from_dict(stored)
+    except ValueError:
+        return None
 
 
-def study_budget(study: optuna.Study, default: int) -> int:
-    return int(study.user_attrs.get(BUDGET_ATTR, default))
+_RESTORE = "run `loader-search init CONFIG --storage URL` to store the study's settings afresh"
 
 
-def study_tolerance(study: optuna.Study, default: float) -> float:
-    return float(study.user_attrs.get(TOLERANCE_ATTR, default))
+def stored_setting(
+    study: str,
+    attrs: Mapping[str, Any],
+    key: str,
+    default: Any,
+    rule: str,
+    shown: str | None = None,
+) -> Any:
+    """The study setting ``key`` as stored with ``study`` (``default`` when absent), checked
+    against `RANGES`' ``rule``: the database is written by other hands too, and a NaN
+    tolerance or a negative budget would break every command of everyone who shares it. A
+    bad value is a `UserError` naming the study, the key (``shown``) and the fix."""
+    if not isinstance(attrs, Mapping):
+        table = shown.rpartition(".")[0] if shown and "." in shown else "its settings"
+        raise UserError(
+            f"study {study!r} stores {table} = {show_value(attrs)}, not a table; {_RESTORE}"
+        )
+    value = attrs.get(key, default)
+    try:
+        check_value(shown or key, value, rule)
+    except ConfigError as exc:
+        raise UserError(f"study {study!r} stores {exc}; {_RESTORE}") from None
+    return value
+
+
+def study_budget(study: str, attrs: Mapping[str, Any], default: int) -> int:
+    """The study's total trial budget, shared by every worker (`stored_setting`)."""
+    return int(stored_setting(study, attrs, BUDGET_ATTR, default, "study.trials"))
+
+
+def study_tolerance(study: str, attrs: Mapping[str, Any], default: float) -> float:
+    """The recommendation's relative val_loss slack as stored (`stored_setting`)."""
+    return float(stored_setting(study, attrs, TOLERANCE_ATTR, default, "study.loss_tolerance"))

@@ -9,7 +9,7 @@ their measurements.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 from typing import Any
@@ -70,8 +70,22 @@ class TrialPoint:
         return data
 
 
+def trial_points(trials: Iterable[FrozenTrial]) -> list[TrialPoint]:
+    """`trial_point` of each completed trial whose stored settings can be read; one whose
+    record was damaged (the database is written by other hands too) is left out, so that
+    the study's other results stay readable for everyone who shares it."""
+    points = []
+    for trial in trials:
+        try:
+            points.append(trial_point(trial))
+        except ValueError:
+            continue
+    return points
+
+
 def trial_point(trial: FrozenTrial) -> TrialPoint:
-    """A completed trial's effective settings and objective values."""
+    """A completed trial's effective settings and objective values (`ValueError` for
+    settings that cannot be read)."""
     assert trial.values is not None, "only completed trials have values"
     stored = trial.user_attrs.get(PARAMS_ATTR)
     params = LoaderParams.from_dict(stored if stored else trial.params)
@@ -205,7 +219,7 @@ def points_of(trials: Sequence[FrozenTrial], hardware_class: str | None = None) 
         trials = [t for t in trials if t.user_attrs.get(HARDWARE_CLASS_ATTR) == hardware_class]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     feasible = [t for t in complete if is_feasible(t)]
-    points = merge_repeats([trial_point(t) for t in feasible])
+    points = merge_repeats(trial_points(feasible))
     untrained = [v for t in feasible if (v := number(t.user_attrs, UNTRAINED_LOSS_ATTR))]
     return Points(
         points=tuple(points),

@@ -22,16 +22,16 @@ import optuna
 from optuna.trial import TrialState
 
 from loader_search.errors import UserError
-from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.params import RANGES, LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
 from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
 from loader_search.study._heartbeats import RetryStaleTrial
 from loader_search.study._keys import (
-    BUDGET_ATTR,
     DIRECTIONS,
     FINGERPRINT_ATTR,
     METRIC_NAMES,
-    TOLERANCE_ATTR,
+    study_budget,
+    study_tolerance,
 )
 from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
 from loader_search.study._note import write_note
@@ -70,6 +70,13 @@ def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
             f" needs {needed} batches (warm-up + {MIN_MEASURED_BATCHES} measured); raise it to"
             f" at least {needed * batch} or lower space.batch_size / prefetch_factor max"
         )
+
+
+def check_n_trials(n_trials: int | None) -> None:
+    """``--n-trials`` obeys the rule of ``[study] trials`` (1 to 100,000)."""
+    problem = None if n_trials is None else RANGES["study.trials"].problem(n_trials)
+    if problem is not None:
+        raise UserError(f"--n-trials {n_trials}: {problem}")
 
 
 def make_sampler(config: StudyConfig, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
@@ -259,8 +266,7 @@ def run_worker(
 
     Progress is printed as `run_study` prints it (``quiet``, ``reporter``).
     """
-    if n_trials is not None and n_trials < 1:
-        raise UserError(f"--n-trials {n_trials}: must be at least 1")
+    check_n_trials(n_trials)
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
     reporter = _reporter(reporter, quiet)
@@ -278,7 +284,9 @@ def run_worker(
         reporter.study_started(info)
         work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
         study = session.study
-        tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, session.config.loss_tolerance))
+        tolerance = study_tolerance(
+            study.study_name, study.user_attrs, session.config.loss_tolerance
+        )
         _leave_note(session, tolerance, reporter)
         return _summary(study, tolerance, session.hardware)
 
@@ -320,8 +328,7 @@ def prepare_session(
         if machine is not None:
             # The device first, as pinning must precede any question to CUDA.
             here = this_machine(config, machine)
-        if budget is not None and budget < 1:
-            raise UserError(f"--n-trials {budget}: must be at least 1")
+        check_n_trials(budget)
         url = resolve_storage_url(storage)
         existing = None
     else:
@@ -387,7 +394,7 @@ def prepare_session(
         name, created = existing.study.study_name, False
         study = optuna.load_study(study_name=name, storage=rdb)
         study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
-        budget = int(study.user_attrs.get(BUDGET_ATTR, config.trials))
+        budget = study_budget(name, study.user_attrs, config.trials)
         finished = count_finished(study)
     info = StudyInfo(
         name=name,
@@ -477,5 +484,6 @@ def open_existing_study(
             " throughput and val_loss): pick one from `loader-search studies`"
         )
     if loss_tolerance is None:
-        loss_tolerance = float(study.user_attrs.get(TOLERANCE_ATTR, StudyConfig().loss_tolerance))
+        default = StudyConfig().loss_tolerance
+        loss_tolerance = study_tolerance(name, study.user_attrs, default)
     return ExistingStudy(study, opened, shown, loss_tolerance, tuple(hardware_classes(study)))

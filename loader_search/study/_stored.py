@@ -26,6 +26,7 @@ from loader_search.study._keys import (
     TORCH_VERSION_ATTR,
     VERSION_ATTR,
     WORKLOAD_DESCRIPTION_ATTR,
+    study_budget,
 )
 from loader_search.workloads import Workload
 
@@ -89,8 +90,8 @@ def settle_budget(
         )
     if n_trials is not None:
         return n_trials, []
-    stored_budget = study.user_attrs.get(BUDGET_ATTR)
-    budget = config.trials if created or stored_budget is None else int(stored_budget)
+    stored = study.user_attrs
+    budget = config.trials if created else study_budget(study.study_name, stored, config.trials)
     if budget == config.trials:
         return budget, []
     return budget, [

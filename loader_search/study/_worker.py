@@ -53,7 +53,6 @@ from loader_search.study._keys import (
     ACCUMULATION_ATTR,
     ACCUMULATION_FROM,
     BASELINE_ATTR,
-    BUDGET_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     DEVICE_ATTR,
@@ -72,10 +71,11 @@ from loader_search.study._keys import (
     STUDY_HARDWARE_ATTR,
     USABLE_CPUS_ATTR,
     WORKER_ATTR,
+    study_budget,
 )
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._plan import plan_trial
-from loader_search.study._points import is_feasible, pareto_front, trial_point
+from loader_search.study._points import is_feasible, pareto_front, trial_points
 from loader_search.study._record import (
     Recorded,
     fewer_samples_per_step,
@@ -150,7 +150,7 @@ def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderPara
         trials = study.get_trials(deepcopy=False)
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
-        confirm = confirm_settings(attrs, session.config)
+        confirm = confirm_settings(attrs, session.config, study.study_name)
         guide = _guide(session, confirm.loss_tolerance)
         # Fitted once per take: for the proposals, this trial's prediction and the snapshot;
         # under the lock only while the model may still propose.
@@ -211,8 +211,8 @@ def _decide(
     session = worker.session
     return decide(
         trials,
-        int(attrs.get(BUDGET_ATTR, session.budget)),
-        confirm_settings(attrs, session.config),
+        study_budget(session.study.study_name, attrs, session.budget),
+        confirm_settings(attrs, session.config, session.study.study_name),
         grid_size=session.space.size() if session.config.sampler.name == "grid" else None,
         hardware_class=session.hardware.hardware_class,
         proposals=proposals,
@@ -558,7 +558,7 @@ def _event(
         duration_s=time.perf_counter() - started,
         finished=count_used(trials, FINISHED_STATES),
         budget=worker.session.budget,
-        pareto_size=len(pareto_front([trial_point(t) for t in feasible])),
+        pareto_size=len(pareto_front(trial_points(feasible))),
         best_throughput=max((t.values[0] for t in feasible), default=None),
         best_val_loss=min((t.values[1] for t in feasible), default=None),
         confirmation=bool(trial.user_attrs.get(CONFIRMATION_ATTR)),

@@ -200,8 +200,8 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
                 ) from None
             if exc.errno == errno.EISDIR:
                 raise UserError(f"the lock file {shown} is a folder; remove it") from None
-            if exc.errno == errno.EACCES:
-                raise _unreadable(folder_fd, name, shown) from None
+            if exc.errno == errno.EACCES and flags & os.O_ACCMODE == os.O_RDONLY:
+                raise _unreadable(folder_fd, name, shown) from None  # (writers say why)
             raise
         try:
             _check_lock_file(shown, os.fstat(fd))

@@ -205,9 +205,16 @@ def mask_url(url: str) -> str:
 _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s]+@")
 
 
+# ``password=...`` in a libpq connection string, a URL's query or a driver's keyword arguments.
+_KEY_PASSWORD = re.compile(
+    r"""(\b(?:ssl)?(?:password|passwd|pwd)['"]?\s*[=:]\s*['"]?)[^\s&'",)]+""", re.IGNORECASE
+)
+
+
 def scrub_urls(text: str) -> str:
-    """Mask the password of any URL inside free text (an unexpected error's message)."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
+    """Mask the password of any URL inside free text (an unexpected error's message, a
+    traceback), and any ``password=...`` pair."""
+    return _KEY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
 
 
 def _mask_in(text: str, url: str) -> str:
