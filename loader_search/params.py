@@ -102,6 +102,22 @@ def check_value(key: str, value: Any, rule: str | None = None) -> None:
         raise ConfigError(key, value, problem)
 
 
+def check_options(values: Mapping[str, Any], rules: Mapping[str, Range]) -> None:
+    """A workload's numeric options against their rules: a `ValueError` like ``image_size =
+    1000000: must be at most 1024`` for the first that breaks its rule. Upper bounds matter
+    here too: a worker builds the options stored with a study, which anyone who can write
+    the database may have changed (``train_size = 10**8`` would build for hours)."""
+    for name, rule in rules.items():
+        value = values[name]
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or (rule.integer and not isinstance(value, int)):
+            kind = "an integer" if rule.integer else "a number"
+            raise ValueError(f"{name} = {value!r}: must be {kind}, {rule.text}")
+        problem = rule.problem(value)
+        if problem is not None:
+            raise ValueError(f"{name} = {value!r}: {problem}")
+
+
 STUDY_NAME_MAX = 128  # characters; Optuna indexes names (MySQL caps indexed strings)
 
 

@@ -173,3 +173,24 @@ def run_cli(
         text=True,
         timeout=600,
     )
+
+
+def invoke(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The real CLI in this process (Typer's runner): for tests of messages and exit codes,
+    which would otherwise pay a fresh interpreter and its imports per command. The same
+    commands, options and error handling as `run_cli`; a few tests keep the subprocess, as a
+    user runs it."""
+    from typer.testing import CliRunner
+
+    from loader_search.cli import app
+    from loader_search.cli._console import DEBUG_ENV
+
+    overrides: dict[str, str | None] = {"LOADER_SEARCH_STORAGE": None, DEBUG_ENV: None}
+    overrides.update(env or {})
+    with contextlib.chdir(cwd or ROOT):
+        result = CliRunner().invoke(app, list(args), env=overrides)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception  # a bug, not an answer: show where it came from
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)

@@ -234,7 +234,8 @@ def test_folders_that_cannot_train_say_why(tmp_path: Path, image_root: Path) -> 
     only_val = tmp_path / "only_val"
     shutil.copytree(image_root / "val", only_val / "val")
     assert "has val/ but no train/" in refused(only_val)
-    assert "val_fraction = 0.9: must be in (0, 0.5]" in refused(image_root, val_fraction=0.9)
+    assert "val_fraction = 0.9: must be at most 0.5" in refused(image_root, val_fraction=0.9)
+    assert "image_size = 100000: must be at most 4096" in refused(image_root, image_size=10**5)
     assert "decoder = 'cv2'" in refused(image_root, decoder="cv2")
 
 

@@ -73,7 +73,17 @@ def test_plugin_from_file_and_module(monkeypatch: pytest.MonkeyPatch) -> None:
         (f"{PLUGIN}:nothing", {}, "has no function 'nothing'"),
         (f"{PLUGIN}:not_a_workload", {}, "returned int, not a loader_search.Workload"),
         ("synthetic-images", {"colour": 3}, "does not accept options ['colour']"),
-        ("synthetic-images", {"image_size": -4}, "image_size = -4: must be a positive integer"),
+        ("synthetic-images", {"image_size": -4}, "image_size = -4: must be at least 8"),
+        # Upper bounds: a worker builds the options a shared database stores.
+        ("synthetic-images", {"image_size": 3000}, "image_size = 3000: must be at most 1024"),
+        ("synthetic-images", {"image_size": 10**6}, "image_size = 1000000: must be at most"),
+        ("synthetic-images", {"train_size": 10**8}, "train_size = 100000000: must be at most"),
+        (
+            "synthetic-images",
+            {"image_size": 1024, "train_size": 4096},
+            "GiB of pixels to generate, above 8 GiB",
+        ),
+        ("digits", {"width": 10**9}, "width = 1000000000: must be at most 4096"),
         ("synthetic-images", {"encoding": "gif"}, "encoding = 'gif'"),
         ("synthetic-images", {"noise": "high"}, "noise = 'high': must be a number"),
         ("synthetic-images", {"seed": 1.5}, "seed = 1.5: must be an integer"),

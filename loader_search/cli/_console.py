@@ -29,7 +29,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from loader_search.errors import StudyAborted, UserError, printable
-from loader_search.team._storage import describe_driver_error, is_transient, scrub_urls
+from loader_search.team._storage import (
+    describe_driver_error,
+    is_read_only,
+    is_transient,
+    read_only_error,
+    scrub_urls,
+)
 
 if TYPE_CHECKING:
     from loader_search.cli._doctor import Check
@@ -84,6 +90,9 @@ def reports_errors(command: F) -> F:
             # Not a known case (a database down for longer than the retries, say): still one
             # line, without any password; --debug shows where it came from. A database error
             # is what the database said, not what a wrapper made of it.
+            if is_read_only(exc):
+                _print_error(scrub_urls(str(read_only_error(exc))))
+                raise typer.Exit(2) from None
             if is_transient(exc):
                 line = scrub_urls(f"database unreachable: {describe_driver_error(exc)}")
             else:

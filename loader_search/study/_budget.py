@@ -30,6 +30,7 @@ from loader_search.study._keys import (
     CONFIRM_ATTR,
     CONFIRMATION_ATTR,
     FAILURE_REASON,
+    REFUSED,
     RETRY_HISTORY,
     stored_setting,
     study_tolerance,
@@ -46,7 +47,8 @@ def uses_budget(trial: FrozenTrial) -> bool:
 
     Queued, running and completed trials count, except the confirmation trials, which are
     queued once the budget is used. A failed trial counts when it failed on its
-    own (a crash, a hang): that is a result. Not counted: an interrupted trial, a failed
+    own (a crash, a hang): that is a result. Not counted: an interrupted trial, a refused
+    one (queued outside the space, never run), a failed
     baseline (the study stops and queues it again), and a trial whose worker died (no
     failure reason: it is queued again as a retry, which counts instead).
     """
@@ -55,8 +57,8 @@ def uses_budget(trial: FrozenTrial) -> bool:
     if trial.state != TrialState.FAIL:
         return True
     reason = trial.user_attrs.get(FAILURE_REASON)
-    if reason is None or reason == INTERRUPTED:
-        return False
+    if reason is None or reason in (INTERRUPTED, REFUSED):
+        return False  # no result: not run (refused), or stopped by a person
     return not trial.user_attrs.get(BASELINE_ATTR)
 
 

@@ -103,6 +103,8 @@ OOM_ATTEMPTS_ATTR = "oom_attempts"  # micro-batch sizes this trial ran out of me
 
 # -- Failure reasons the study layer adds to the trial layer's --
 INFERRED_OOM = "inferred_oom"  # not trained: settings that need more memory than a failed one
+# Not run: queued settings outside the study's space (see `ResolvedSpace.problem`).
+REFUSED = "refused"
 LOST = "lost"  # shown, never stored: a result the database could not take in time
 MEASURED_OOM_REASONS = (CUDA_OOM, HOST_OOM)  # trials that really ran out of memory
 OOM_REASONS = (*MEASURED_OOM_REASONS, INFERRED_OOM)

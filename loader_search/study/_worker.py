@@ -27,6 +27,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import optuna
@@ -57,6 +58,8 @@ from loader_search.study._keys import (
     CONFIRMATION_ATTR,
     DEVICE_ATTR,
     DEVICE_NAME_ATTR,
+    FAILURE_MESSAGE,
+    FAILURE_REASON,
     HARDWARE_ATTR,
     HARDWARE_CLASS_ATTR,
     MEASURED_OOM_REASONS,
@@ -68,6 +71,7 @@ from loader_search.study._keys import (
     PIPELINE_ATTR,
     PREDICTED_ATTR,
     PREDICTED_BOTTLENECK_ATTR,
+    REFUSED,
     STUDY_HARDWARE_ATTR,
     USABLE_CPUS_ATTR,
     WORKER_ATTR,
@@ -123,7 +127,9 @@ class _Worker:
         self.reporter.warning(f"database unreachable ({said}); retrying in {pause:.0f} s")
 
 
-def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderParams] | Wait | None:
+def _take_trial(
+    worker: _Worker, clock: Clock
+) -> tuple[optuna.Trial, LoaderParams] | Wait | Refused | None:
     """Take the next trial with its settings; `Wait` while the budget is used but other trials
     still run; None when the study is done.
 
@@ -175,11 +181,21 @@ def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderPara
             model = guide.model(trials)
         if guide is not None and model is not None:
             _store_pipeline(session, attrs, guide.snapshot(trials, model))
+        plain = bool(
+            trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR)
+        )
         with warnings.catch_warnings():  # main thread only
-            if trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR):
+            # A queued value outside the space: Optuna warns and runs it; `problem` refuses.
+            warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+            try:
+                params = session.space.suggest(trial)
                 # The baseline (num_workers=0) may sit outside a searched range.
-                warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
-            params = session.space.suggest(trial)
+                refused = session.space.problem(params, baseline=plain)
+            except ValueError as exc:  # a queued value that is none of a choice's options
+                refused = f"{exc}"
+        if refused is not None:
+            _refuse(worker, trial, refused)
+            return Refused(trial.number, refused)
         stored: dict[str, Any] = {
             PARAMS_ATTR: params.as_dict(),
             WORKER_ATTR: worker.name,
@@ -199,6 +215,22 @@ def _take_trial(worker: _Worker, clock: Clock) -> tuple[optuna.Trial, LoaderPara
             study.tell(trial, state=TrialState.FAIL)
         raise
     return trial, params
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A queued trial whose settings lie outside the study's space (anyone who can write the
+    database can queue one): failed without running, no budget used."""
+
+    number: int
+    why: str
+
+
+def _refuse(worker: _Worker, trial: optuna.Trial, why: str) -> None:
+    message = f"queued settings refused, not run: {why}; queue settings inside [space]"
+    write_user_attrs(trial, {FAILURE_REASON: REFUSED, FAILURE_MESSAGE: message})
+    worker.session.study.tell(trial, state=TrialState.FAIL)
+    worker.reporter.warning(f"trial #{trial.number}: {message}")
 
 
 def _decide(
@@ -368,9 +400,11 @@ def work(
                     taken = worker.retrying(functools.partial(_take_trial, worker, clock))
                 if taken is None:
                     break
-                if not isinstance(taken, Wait):
+                if isinstance(taken, tuple):
                     trial, params = taken
                     recorded = _run_one(worker, trial, params, clock)
+            if isinstance(taken, Refused):
+                continue  # nothing ran: take the next
             if isinstance(taken, Wait):
                 # Outside the host lock: the trials we wait for may need this host.
                 worker.patience.saw(taken)

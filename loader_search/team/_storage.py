@@ -538,14 +538,43 @@ def _driver_error(exc: BaseException) -> BaseException:
     return orig if isinstance(orig, BaseException) else exc
 
 
+# A database that refuses writes: SQLite's read-only file (or folder), PostgreSQL's read-only
+# transaction (a standby, default_transaction_read_only), MySQL/MariaDB's --read-only.
+_READ_ONLY_WORDS = ("readonly database", "read-only transaction", "--read-only option")
+_READ_ONLY_SQLSTATES = frozenset({"25006"})  # read_only_sql_transaction
+_READ_ONLY_MYSQL_ERRORS = frozenset({1290, 1836})
+
+
+def is_read_only(exc: BaseException) -> bool:
+    """Whether the database refused a write because it is read-only (for us): no outage,
+    nothing that waiting mends."""
+    cause = _driver_error(exc)
+    if getattr(cause, "sqlstate", None) in _READ_ONLY_SQLSTATES:
+        return True
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    if args and args[0] in _READ_ONLY_MYSQL_ERRORS:
+        return True
+    text = str(cause).lower()
+    return any(words in text for words in _READ_ONLY_WORDS)
+
+
+def read_only_error(exc: BaseException) -> UserError:
+    """The one-line message for a write the database refused (`is_read_only`)."""
+    return UserError(
+        f"the database refuses writes ({describe_driver_error(exc)}): the file or its folder is"
+        " not writable by you, or the server is read-only; give --storage a database you can"
+        " write (reading commands, `studies`, `best`, `report`, work as they are)"
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """A dropped connection or a restarting server; Optuna wraps those raised at commit in
-    StorageInternalError."""
+    StorageInternalError. A read-only database is not one (`is_read_only`)."""
     from optuna.exceptions import StorageInternalError
 
     if isinstance(exc, StorageInternalError):
         exc = exc.__cause__  # type: ignore[assignment]
-    if not isinstance(exc, _TRANSIENT):
+    if not isinstance(exc, _TRANSIENT) or is_read_only(exc):
         return False
     # A lock wait that timed out (PostgreSQL's lock_timeout) is no outage: retrying would
     # only wait again.

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from loader_search.params import Range, check_options
 from loader_search.workloads._base import Workload
 
 
@@ -59,6 +60,13 @@ class DigitsNet(nn.Module):
         return logits
 
 
+OPTION_RULES = {
+    "val_fraction": Range(0, 1, integer=False, low_open=True),
+    "width": Range(1, 4096),
+    "seed": Range(0, 2**32 - 1),
+}
+
+
 def digits(val_fraction: float = 0.2, width: int = 32, seed: int = 0) -> Workload:
     """Build the ``digits`` workload from scikit-learn's bundled data."""
     try:
@@ -67,12 +75,9 @@ def digits(val_fraction: float = 0.2, width: int = 32, seed: int = 0) -> Workloa
         raise ImportError(
             "the 'digits' workload needs scikit-learn: pip install 'loader-search[digits]'"
         ) from None
-    if not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction = {val_fraction!r}: must be a number between 0 and 1")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**32 - 1")
-    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
-        raise ValueError(f"width = {width!r}: must be a positive integer")
+    check_options(locals(), OPTION_RULES)
+    if val_fraction >= 1:
+        raise ValueError(f"val_fraction = {val_fraction!r}: must be below 1")
 
     data = load_digits()
     images = torch.from_numpy(data.images.astype(np.uint8))

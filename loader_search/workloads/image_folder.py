@@ -33,6 +33,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
+from loader_search.params import Range, check_options
 from loader_search.workloads._base import Workload
 from loader_search.workloads.synthetic_images import SmallCNN
 
@@ -305,6 +306,15 @@ def model_factory(name: str, num_classes: int) -> Callable[[], nn.Module]:
     )
 
 
+# The options' rules (a worker builds what the study stores: see `check_options`).
+OPTION_RULES = {
+    "val_fraction": Range(0, 0.5, integer=False, low_open=True),
+    "val_size": Range(1, 10_000_000),
+    "image_size": Range(8, 4096),
+    "seed": Range(0, 2**32 - 1),
+}
+
+
 def image_folder(
     root: str,
     val_fraction: float = 0.1,
@@ -317,15 +327,7 @@ def image_folder(
     """Build the ``image-folder`` workload from the images under ``root`` (see the module)."""
     if not isinstance(root, str) or not root:
         raise ValueError(f"root = {root!r}: give the image folder's path as a string")
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
-        raise ValueError(f"val_fraction = {val_fraction!r}: must be a number in (0, 0.5]")
-    if not 0 < val_fraction <= 0.5:
-        raise ValueError(f"val_fraction = {val_fraction!r}: must be in (0, 0.5]")
-    for key, value, least in (("val_size", val_size, 1), ("image_size", image_size, 8)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{key} = {value!r}: must be an integer, at least {least}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**32 - 1")
+    check_options(locals(), OPTION_RULES)
     if decoder not in DECODERS:
         raise ValueError(f"decoder = {decoder!r}: use one of {', '.join(DECODERS)}")
     if not isinstance(model, str) or not model:

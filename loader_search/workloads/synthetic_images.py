@@ -20,6 +20,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
+from loader_search.params import Range, check_options
 from loader_search.workloads._base import Workload
 
 _MEAN = torch.tensor([0.5, 0.5, 0.5]).view(3, 1, 1)
@@ -193,6 +194,24 @@ class SmallCNN(nn.Module):
         return logits
 
 
+# The options' rules: far above any real use, low enough that a value changed in a shared
+# database (a worker builds what the study stores) cannot take a machine's memory or hours.
+OPTION_RULES = {
+    "image_size": Range(8, 1024),
+    "train_size": Range(1, 1_000_000),
+    "val_size": Range(1, 1_000_000),
+    "num_classes": Range(2, 10_000),
+    "width": Range(1, 1024),
+    "noise": Range(0, 1, integer=False),
+    "seed": Range(0, 2**32 - 1),
+    "device_us_per_sample": Range(0, 1e6, integer=False),  # microseconds
+    "device_memory_mb": Range(0, 1e7, integer=False),  # 0: no stand-in memory
+    "slow_fraction": Range(0, 1, integer=False),
+    "slow_scale": Range(2, 32),
+}
+MAX_PIXEL_BYTES = 8 * 2**30  # what the generated images may hold, decoded
+
+
 def synthetic_images(
     image_size: int = 32,
     train_size: int = 8192,
@@ -208,54 +227,21 @@ def synthetic_images(
     slow_scale: int = 4,
 ) -> Workload:
     """Build the ``synthetic-images`` workload (data are generated, never downloaded)."""
-    for key, value in {
-        "image_size": image_size,
-        "train_size": train_size,
-        "val_size": val_size,
-        "num_classes": num_classes,
-        "width": width,
-    }.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{key} = {value!r}: must be a positive integer")
-    if image_size < 8:
-        raise ValueError(f"image_size = {image_size}: must be at least 8")
-    if num_classes < 2:
-        raise ValueError(f"num_classes = {num_classes}: must be at least 2")
+    check_options(locals(), OPTION_RULES)
     if encoding not in ("png", "jpeg"):
         raise ValueError(f"encoding = {encoding!r}: use 'png' or 'jpeg'")
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise <= 1:
-        raise ValueError(f"noise = {noise!r}: must be a number between 0 and 1")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed = {seed!r}: must be an integer in 0 .. 2**32 - 1")
-    wait = device_us_per_sample
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1e6:
+    pixels = (train_size + val_size) * image_size**2 * 3
+    if pixels > MAX_PIXEL_BYTES:
         raise ValueError(
-            f"device_us_per_sample = {wait!r}: must be a number of microseconds, 0 .. 1000000"
+            f"train_size + val_size = {train_size + val_size} images of {image_size}x{image_size}"
+            f" are {pixels / 2**30:.1f} GiB of pixels to generate, above"
+            f" {MAX_PIXEL_BYTES // 2**30} GiB: use fewer or smaller images"
         )
-
-    memory = device_memory_mb
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 <= memory <= 1e7:
-        raise ValueError(
-            f"device_memory_mb = {memory!r}: must be a number of MB, 0 (no limit) .. 10000000"
-        )
-    fraction = slow_fraction
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not 0 <= fraction <= 1
-    ):
-        raise ValueError(f"slow_fraction = {fraction!r}: must be a number between 0 and 1")
-    if (
-        isinstance(slow_scale, bool)
-        or not isinstance(slow_scale, int)
-        or not 2 <= slow_scale <= 32
-    ):
-        raise ValueError(f"slow_scale = {slow_scale!r}: must be an integer, 2 .. 32")
     rng = np.random.default_rng(seed)
     patterns = _class_patterns(rng, num_classes, image_size)
     train = make_images(train_size, patterns, rng, noise, encoding)
     val = make_images(val_size, patterns, rng, noise, encoding)
-    train = (enlarge(train[0], fraction, slow_scale, seed, encoding), train[1])
+    train = (enlarge(train[0], slow_fraction, slow_scale, seed, encoding), train[1])
     options: dict[str, Any] = {
         "image_size": image_size,
         "train_size": train_size,
