@@ -132,6 +132,7 @@ def _by_batch(study: optuna.Study) -> dict[int, optuna.trial.FrozenTrial]:
     return trials
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_fit_is_measured_as_micro_batches(tmp_path: Path) -> None:
     limited = _by_batch(_study(tmp_path, "limited", HEADROOM_MB))
     free = _by_batch(_study(tmp_path, "free", 0))
@@ -163,6 +164,7 @@ def test_a_batch_that_does_not_fit_is_measured_as_micro_batches(tmp_path: Path) 
     )
 
 
+@pytest.mark.slow
 def test_with_accumulation_off_a_batch_that_does_not_fit_is_infeasible(tmp_path: Path) -> None:
     big = _by_batch(_study(tmp_path, "off", HEADROOM_MB, accumulation="off"))[256]
     assert big.user_attrs["failure_reason"] == "host_oom"

@@ -256,43 +256,66 @@ def test_a_lock_folder_others_could_swap_is_refused_before_the_study(tmp_path: P
 
 # -- missing database drivers -------------------------------------------------------------
 
-# The CLI with the installed drivers hidden, as on a machine without the extra.
-_WITHOUT_DRIVERS = (
-    "import sys; sys.modules['psycopg'] = sys.modules['pymysql'] = None;"
-    " sys.argv[0] = 'loader-search'; from loader_search.cli import main; main()"
-)
+# One process with the installed drivers hidden, as on a machine without the extra, runs every
+# command against every URL through the real CLI (in that process: one interpreter start, not
+# sixteen) and reports each exit code and output as JSON.
+_WITHOUT_DRIVERS = """
+import json, sys
+sys.modules['psycopg'] = sys.modules['pymysql'] = None
+from typer.testing import CliRunner
+from loader_search.cli import app
+answers = []
+for args in json.loads(sys.argv[1]):
+    result = CliRunner().invoke(app, args)
+    answers.append([result.exit_code, result.stdout, result.stderr])
+print(json.dumps(answers))
+"""
+
+_DRIVER_URLS = {
+    "postgresql+psycopg://postgres:sekrit@127.0.0.1:5432/test": "postgres",
+    "postgresql+psycopg2://postgres:sekrit@127.0.0.1:5432/test": "postgres",
+    "mysql+pymysql://root:sekrit@127.0.0.1:3306/test": "mysql",
+    "mysql+mysqldb://root:sekrit@127.0.0.1:3306/test": "mysql",
+}
 
 
-@pytest.mark.parametrize(
-    ("url", "extra"),
-    [
-        ("postgresql+psycopg://postgres:sekrit@127.0.0.1:5432/test", "postgres"),
-        ("postgresql+psycopg2://postgres:sekrit@127.0.0.1:5432/test", "postgres"),
-        ("mysql+pymysql://root:sekrit@127.0.0.1:3306/test", "mysql"),
-        ("mysql+mysqldb://root:sekrit@127.0.0.1:3306/test", "mysql"),
-    ],
-)
-def test_a_missing_driver_names_the_extra_on_every_command(
-    tmp_path: Path, url: str, extra: str
-) -> None:
-    config = tmp_path / "study.toml"
+@pytest.fixture(scope="module")
+def without_drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[object]]:
+    folder = tmp_path_factory.mktemp("no-drivers")
+    config = folder / "study.toml"
     config.write_text(TINY_CONFIG.format(trials=2))
-    for args in (
+    commands = [
         ["run", str(config)],
         ["init", str(config)],
         ["worker", "tiny"],
         ["report", "tiny"],
-    ):
-        result = subprocess.run(
-            [sys.executable, "-c", _WITHOUT_DRIVERS, *args, "--storage", url],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+    ]
+    calls = [[*args, "--storage", url] for url in _DRIVER_URLS for args in commands]
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_DRIVERS, json.dumps(calls)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(folder.iterdir()) == [config]  # nothing written by any of them
+    return {
+        " ".join(call): answer for call, answer in zip(calls, json.loads(done.stdout), strict=True)
+    }
+
+
+@pytest.mark.parametrize(("url", "extra"), sorted(_DRIVER_URLS.items()))
+def test_a_missing_driver_names_the_extra_on_every_command(
+    without_drivers: dict[str, list[object]], url: str, extra: str
+) -> None:
+    answers = {
+        call: a for call, a in without_drivers.items() if call.endswith(f" --storage {url}")
+    }
+    assert len(answers) == 4
+    for call, (code, stdout, stderr) in answers.items():
         # `run` and `worker` say first that they open the storage.
-        result.stderr = result.stderr.split("...\n")[-1]
+        result = subprocess.CompletedProcess(call, code, stdout, str(stderr).split("...\n")[-1])
         line = _assert_refused(result, f"pip install 'loader-search[{extra}]'", "is missing")
-        assert "sekrit" not in result.stderr + result.stdout, args
-        assert "Failed to import" not in line, args
-    assert list(tmp_path.iterdir()) == [config]
+        assert "sekrit" not in f"{stdout}{stderr}", call
+        assert "Failed to import" not in line, call

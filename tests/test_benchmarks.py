@@ -32,6 +32,7 @@ def test_hypervolume_2d_of_a_hand_made_front() -> None:
         hypervolume_2d([(float("nan"), 1.0)], (10.0, 10.0))
 
 
+@pytest.mark.slow
 def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)],
@@ -152,6 +153,7 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     assert cost["study_wall_s"] >= cost["train_s"] + cost["eval_s"]
 
 
+@pytest.mark.slow
 def test_backends_side_by_side_measures_every_contender() -> None:
     from benchmarks import backends
 
@@ -177,6 +179,7 @@ def test_backends_side_by_side_measures_every_contender() -> None:
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+@pytest.mark.slow
 def test_scale_run_of_real_workers_on_a_real_server(backend: str, tmp_path: Path) -> None:
     """Two real `worker` processes share a 6-trial study: every trial is taken once, each
     worker's timings land in the file, and no worker holds more than 2 connections."""

@@ -393,6 +393,7 @@ def _intervals(study: optuna.Study) -> list[tuple[datetime.datetime, datetime.da
     return [(s, e) for s, e in spans if s is not None and e is not None]
 
 
+@pytest.mark.slow
 def test_containers_commands_in_order(team_db: str, tmp_path: Path) -> None:
     """init, then two workers at once, then the dashboard: compose's sequence, run here."""
     started = time.monotonic()

@@ -329,3 +329,96 @@ def test_tampered_workload_options_are_refused_by_a_worker(shared_db: str, tmp_p
     study.set_user_attr("trial_budget", 3)
     result = invoke("worker", "tiny", "--storage", shared_db, cwd=tmp_path)
     one_line(result, "train_size = 100000000: must be at most 1000000")
+
+
+# -- fuzzing what a study stores ----------------------------------------------------------
+
+STORED_NUMBERS = {
+    "trial_budget": "study.trials",
+    "loss_tolerance": "study.loss_tolerance",
+    "confirm.top": "study.confirm_top",
+    "confirm.min_rounds": "study.confirm_min_rounds",
+    "confirm.max_rounds": "study.confirm_max_rounds",
+    "confirm.half_width": "study.confirm_half_width",
+}
+
+
+def _fuzz_values() -> object:
+    from hypothesis import strategies as st
+
+    numbers = st.one_of(
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=True, allow_infinity=True, width=64),
+        st.sampled_from([0, 1, -1, 2**31, 2**63 - 1, 1e308, -0.0, 0.5]),
+    )
+    return st.one_of(numbers, st.booleans(), st.none(), st.text(max_size=8), st.lists(numbers))
+
+
+def test_fuzzed_stored_settings_are_read_in_range_or_refused_in_one_line() -> None:
+    """Every numeric setting a study stores, as a teammate could write it: read back inside
+    its documented range, or a one-line `UserError` naming the study and the key."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from loader_search.errors import UserError
+    from loader_search.params import RANGES
+    from loader_search.study._budget import confirm_settings
+    from loader_search.study._config import StudyConfig
+    from loader_search.study._keys import study_budget
+
+    @settings(max_examples=300, deadline=None)
+    @given(key=st.sampled_from(sorted(STORED_NUMBERS)), value=_fuzz_values())
+    def check(key: str, value: object) -> None:
+        table, _, field = key.rpartition(".")
+        attrs: dict[str, object] = {table: {field: value}} if table else {key: value}
+        try:
+            budget = study_budget("s", attrs, 10)
+            confirm = confirm_settings(attrs, StudyConfig(), "s")
+        except UserError as exc:
+            text = str(exc)
+            assert text.startswith("study 's' stores ") and "\n" not in text, text
+            assert key in text or table in text, text
+            return
+        rule = RANGES[STORED_NUMBERS[key]]
+        read = {
+            "trial_budget": budget,
+            "loss_tolerance": confirm.loss_tolerance,
+            "confirm.top": confirm.top,
+            "confirm.min_rounds": confirm.min_rounds,
+            "confirm.max_rounds": confirm.max_rounds,
+            "confirm.half_width": confirm.half_width,
+        }[key]
+        assert rule.problem(read) is None, (key, value, read)
+
+    check()
+
+
+def test_fuzzed_workload_options_build_in_range_or_are_one_line() -> None:
+    """The built-in workload's numeric options, as a stored config could carry them: the
+    workload builds (with every option inside its rule), or a one-line `UserError`."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from loader_search.errors import UserError
+    from loader_search.workloads import load_workload
+    from loader_search.workloads.synthetic_images import OPTION_RULES
+
+    small = {"image_size": 8, "train_size": 4, "val_size": 2}
+
+    @settings(max_examples=150, deadline=None)
+    @given(key=st.sampled_from(sorted(OPTION_RULES)), value=_fuzz_values())
+    def check(key: str, value: object) -> None:
+        options = {**small, key: value}
+        if key == "image_size" and isinstance(value, int) and not isinstance(value, bool):
+            options["train_size"] = options["val_size"] = 1  # in range: 1 image, built fast
+        try:
+            workload = load_workload("synthetic-images", options)
+        except UserError as exc:
+            text = str(exc)
+            assert text.startswith("workload 'synthetic-images': ") and "\n" not in text, text
+            return
+        rule = OPTION_RULES[key]
+        assert isinstance(value, (int, float)) and rule.problem(value) is None, (key, value)
+        assert len(workload.train_dataset) >= 1  # type: ignore[arg-type]
+
+    check()

@@ -122,6 +122,7 @@ def test_without_reuse_every_trial_is_evaluated(tiny_workload: Workload, sqlite_
         assert VAL_LOSS_FROM not in trial.user_attrs
 
 
+@pytest.mark.slow
 def test_candidates_are_confirmed_in_paired_rounds_before_the_recommendation(
     sqlite_url: str,
 ) -> None:

@@ -111,6 +111,7 @@ def test_real_postgres_and_mariadb_are_usable(url: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.slow
 def test_runs_creating_one_new_study_at_once_all_continue_it(backend: str, tmp_path: Path) -> None:
     """Two or more processes that create the same study in an empty database at once (and so
     its schema): none fails, and there is one study. Real processes, several rounds."""

@@ -54,6 +54,7 @@ def test_a_planted_workload_spec_runs_no_code(team_db: str, tmp_path: Path) -> N
     assert study.trials == []  # nothing was asked or written
 
 
+@pytest.mark.slow
 def test_a_plugin_runs_only_where_its_machine_allows_it(team_db: str, tmp_path: Path) -> None:
     env = {"LOADER_SEARCH_LOCK_DIR": str(tmp_path / "locks")}
     _init(team_db, tmp_path, env)

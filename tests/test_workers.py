@@ -130,6 +130,7 @@ def _run_workers(
     return workers
 
 
+@pytest.mark.slow
 def test_four_workers_share_one_budget(
     team_db: str, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -156,6 +157,7 @@ def test_four_workers_share_one_budget(
     assert sum("samples/s" in w.output for w in workers) >= 2
 
 
+@pytest.mark.slow
 def test_workers_on_sqlite_share_one_budget(
     config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -165,6 +167,7 @@ def test_workers_on_sqlite_share_one_budget(
     _assert_budget_honoured(url, 4)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_s_trial_is_retried(
     postgres_db: str, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -199,6 +202,7 @@ def test_a_killed_worker_s_trial_is_retried(
     print(f"stale trial failed {recovery_s:.1f} s after SIGKILL")
 
 
+@pytest.mark.slow
 def test_a_database_restart_loses_no_result(
     postgres_db: str, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -277,6 +281,7 @@ def _postgres_answers() -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_other_hardware_is_refused_unless_allowed(
     postgres_db: str, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -381,6 +386,7 @@ def test_a_result_written_during_an_outage_is_kept(
     assert waited >= 2.5  # it really waited for the server
 
 
+@pytest.mark.slow
 def test_the_confirmation_rounds_run_on_one_worker(tmp_path: Path, env: dict[str, str]) -> None:
     """Three workers share a study; once its budget is used, its paired rounds all run on
     one of them (drift and neighbours' load then hit every setting of a round alike), while

@@ -11,7 +11,10 @@ could read the note through it, and its storage format is optuna-dashboard's own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib.util
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import cast
 
 import optuna
 
@@ -62,9 +65,31 @@ def note_text(results: Sequence[StudySummary]) -> str:
 def write_note(study: optuna.Study, loss_tolerance: float) -> bool:
     """Write the study's answer as its optuna-dashboard note; False when optuna-dashboard is
     not installed. The caller holds the study lock (a note's versions must not race)."""
-    try:
-        from optuna_dashboard import save_note
-    except ImportError:
+    save_note = _dashboard_save_note()
+    if save_note is None:
         return False
     save_note(study, note_text(summaries(study, loss_tolerance)))
     return True
+
+
+def _dashboard_save_note() -> Callable[[optuna.Study, str], None] | None:
+    """optuna-dashboard's ``save_note``, or None without optuna-dashboard.
+
+    Its module is loaded on its own when it can be (it imports only Optuna): the package's
+    ``__init__`` imports the web app and, through Optuna's fANOVA, scikit-learn, which cost
+    2.2 s at the end of every `run` and `worker` here. Should a later optuna-dashboard need
+    its package for that module, the ordinary import is used instead."""
+    spec = importlib.util.find_spec("optuna_dashboard")  # finds it, runs nothing
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "_note.py"
+    try:
+        alone = importlib.util.spec_from_file_location("_loader_search_dashboard_note", path)
+        assert alone is not None and alone.loader is not None
+        module = importlib.util.module_from_spec(alone)
+        alone.loader.exec_module(module)
+        return cast(Callable[[optuna.Study, str], None], module.save_note)
+    except Exception:
+        from optuna_dashboard import save_note
+
+        return cast(Callable[[optuna.Study, str], None], save_note)
