@@ -20,7 +20,14 @@ from loader_search.errors import UserError
 from loader_search.params import RANGES
 from loader_search.study._config import parse_config
 from loader_search.team._storage import DB_TIMEOUT_ENV, mask_url, open_storage
-from tests.conftest import MARIADB_URL, POSTGRES_URL, TINY_CONFIG, run_cli, scratch_database
+from tests.conftest import (
+    MARIADB_URL,
+    POSTGRES_URL,
+    TINY_CONFIG,
+    invoke,
+    run_cli,
+    scratch_database,
+)
 
 
 def _assert_refused(result: object, *words: str) -> str:
@@ -152,7 +159,7 @@ def test_names_and_options_a_database_cannot_store_create_nothing(
 def test_an_empty_server_database_says_so(tmp_path: Path) -> None:
     with scratch_database(POSTGRES_URL) as url:
         for args in (["studies"], ["best", "tiny"], ["worker", "tiny"], ["report", "tiny"]):
-            line = _assert_refused(run_cli(*args, "--storage", url), "no loader-search")
+            line = _assert_refused(invoke(*args, "--storage", url), "no loader-search")
             assert "database is empty" in line, args
         assert _tables(url) == set()
 

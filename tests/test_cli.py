@@ -21,21 +21,22 @@ from typer.testing import CliRunner
 from loader_search.cli._commands import app
 from loader_search.study._keys import METRIC_NAMES
 from loader_search.team._locks import host_lock
-from tests.conftest import CONFIRMED_CONFIG, ROOT, run_cli
+from tests.conftest import CONFIRMED_CONFIG, ROOT, invoke, run_cli
 
 PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"
 
 
 @pytest.fixture(scope="module")
 def finished_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, str]:
-    """One real 3-trial study run through the console entry point."""
+    """One real 3-trial study run through the CLI (in this process: the subprocess path is
+    tested by the other `run_cli` tests)."""
     from tests.conftest import TINY_CONFIG
 
     folder = tmp_path_factory.mktemp("cli")
     config = folder / "tiny.toml"
     config.write_text(TINY_CONFIG.format(trials=3))
     url = f"sqlite:///{folder / 'studies.db'}"
-    result = run_cli("run", str(config), "--storage", url)
+    result = invoke("run", str(config), "--storage", url)
     assert result.returncode == 0, result.stderr
     return url, config, result.stdout
 
@@ -133,7 +134,7 @@ def confirmed_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]
     config = folder / "confirmed.toml"
     config.write_text(CONFIRMED_CONFIG)
     url = f"sqlite:///{folder / 'studies.db'}"
-    result = run_cli("run", str(config), "--storage", url)
+    result = invoke("run", str(config), "--storage", url)
     assert result.returncode == 0, result.stderr
     return url, result.stdout
 
@@ -224,11 +225,11 @@ def test_run_again_continues_to_the_budget(
     tiny_config: Callable[..., Path], sqlite_url: str
 ) -> None:
     config = tiny_config(trials=2)
-    assert run_cli("run", str(config), "--storage", sqlite_url).returncode == 0
-    again = run_cli("run", str(config), "--storage", sqlite_url)
+    assert invoke("run", str(config), "--storage", sqlite_url).returncode == 0
+    again = invoke("run", str(config), "--storage", sqlite_url)
     assert again.returncode == 0
     assert "Continuing study tiny" in again.stdout and "budget already used" in again.stdout
-    more = run_cli("run", str(config), "--storage", sqlite_url, "--n-trials", "3")
+    more = invoke("run", str(config), "--storage", sqlite_url, "--n-trials", "3")
     assert more.returncode == 0, more.stderr
     trials = optuna.load_study(study_name="tiny", storage=sqlite_url).get_trials()
     assert len(trials) == 3
@@ -239,10 +240,10 @@ def test_default_and_environment_storage(tiny_config: Callable[..., Path], tmp_p
     config = tiny_config(trials=1)
     work = tmp_path / "work"
     work.mkdir()
-    assert run_cli("run", str(config), cwd=work).returncode == 0
+    assert invoke("run", str(config), cwd=work).returncode == 0
     assert (work / "loader_search.db").exists()
     env_db = tmp_path / "env.db"
-    result = run_cli(
+    result = invoke(
         "run", str(config), cwd=work, env={"LOADER_SEARCH_STORAGE": f"sqlite:///{env_db}"}
     )
     assert result.returncode == 0 and env_db.exists()

@@ -159,3 +159,18 @@ def test_dashboard_answers_only_its_own_host_names(
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 403
+
+
+def test_the_note_is_written_without_loading_the_dashboard_app() -> None:
+    """`run` and `worker` end by writing the note: loading optuna-dashboard's package would
+    import its web app and scikit-learn (2.2 s, measured) for one function."""
+    code = (
+        "import sys\n"
+        "from loader_search.study._note import _dashboard_save_note\n"
+        "save = _dashboard_save_note()\n"
+        "print(save is not None, 'optuna_dashboard._app' in sys.modules, 'sklearn' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.stdout.split() == ["True", "False", "False"], done.stderr

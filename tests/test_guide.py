@@ -26,7 +26,7 @@ from loader_search.study._keys import (
 from loader_search.study._session import run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
-from tests.conftest import TINY_CONFIG, run_cli
+from tests.conftest import TINY_CONFIG, invoke
 
 SPACE = SearchSpace(
     batch_sizes=(16, 32),
@@ -92,8 +92,8 @@ def test_best_json_names_the_limit_and_the_bottleneck(tmp_path: Path) -> None:
     config.write_text(TINY_CONFIG.format(trials=4))
     url = f"sqlite:///{tmp_path / 'guided.db'}"
     env = {"LOADER_SEARCH_LOCK_DIR": str(tmp_path / "locks")}
-    assert run_cli("run", str(config), "--storage", url, env=env).returncode == 0
-    shown = run_cli("best", "tiny", "--storage", url, "--json", env=env)
+    assert invoke("run", str(config), "--storage", url, env=env).returncode == 0
+    shown = invoke("best", "tiny", "--storage", url, "--json", env=env)
     assert shown.returncode == 0, shown.stderr
     recommended = json.loads(shown.stdout)["recommended"]
     pipeline = recommended["pipeline"]
@@ -104,7 +104,7 @@ def test_best_json_names_the_limit_and_the_bottleneck(tmp_path: Path) -> None:
     )
     for lift in pipeline["lifts"]:
         assert lift["gain"] > 1 and lift["predicted_limit_samples_per_s"] > 0
-    text = run_cli("best", "tiny", "--storage", url, env=env).stdout
+    text = invoke("best", "tiny", "--storage", url, env=env).stdout
     assert "pipeline limit at batch" in text
 
 

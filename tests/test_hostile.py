@@ -98,7 +98,7 @@ def finished_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
         config.write_text(
             TINY_CONFIG.format(trials=2).replace('name = "tiny"', f'name = "{name}"')
         )
-        done = run_cli("run", str(config), "--storage", f"sqlite:///{database}", cwd=folder)
+        done = invoke("run", str(config), "--storage", f"sqlite:///{database}", cwd=folder)
         assert done.returncode == 0, done.stderr[-2000:]
     return database
 

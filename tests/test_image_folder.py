@@ -28,7 +28,7 @@ from loader_search.workloads.image_folder import (
     random_resized_crop,
 )
 from loader_search.workloads.make_images import ImageSetSpec, make_image_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke, run_cli
 
 TINY_SET = ImageSetSpec(classes=3, train_per_class=8, val_per_class=3, width=48, height=36)
 
@@ -289,7 +289,7 @@ def test_a_study_runs_on_a_folder_with_a_five_line_config(
     )
     # Run from elsewhere: the relative root resolves against the config file's folder.
     db = tmp_path / "studies.db"
-    done = run_cli("run", str(config), "--storage", f"sqlite:///{db}", cwd=tmp_path)
+    done = invoke("run", str(config), "--storage", f"sqlite:///{db}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "DataLoader(" in done.stdout
     study = optuna.load_study(study_name="images", storage=f"sqlite:///{db}")

@@ -21,7 +21,7 @@ from loader_search.report._data import INPUT_BOUND_THRESHOLD, ReportData, collec
 from loader_search.report._html import PLOT_IDS, render
 from loader_search.study._keys import HARDWARE_ATTR, HARDWARE_CLASS_ATTR, PARAMS_ATTR
 from loader_search.study._points import points_of
-from tests.conftest import TINY_CONFIG, run_cli
+from tests.conftest import TINY_CONFIG, invoke, run_cli
 
 # The added infeasible trial's "measured" values would dominate every real trial: if it
 # leaked onto the front, into the hypervolume or the recommendation, the tests below fail.
@@ -36,7 +36,7 @@ def build_study(folder: Path, trials: int = 4) -> tuple[str, optuna.Study]:
     config = folder / "tiny.toml"
     config.write_text(TINY_CONFIG.format(trials=trials))
     url = f"sqlite:///{folder / 'report.db'}"
-    result = run_cli("run", str(config), "--storage", url)
+    result = invoke("run", str(config), "--storage", url)
     assert result.returncode == 0, result.stderr
     study = optuna.load_study(study_name="tiny", storage=url)
     template = study.trials[-1]
