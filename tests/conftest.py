@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -194,3 +195,37 @@ def invoke(
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception  # a bug, not an answer: show where it came from
     return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
+# A second, real user of the machine (nobody) through setpriv, for tests that act as another
+# user would on a shared machine: plant links, files and folders.
+NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
+needs_a_second_user = pytest.mark.skipif(
+    os.geteuid() != 0 or SETPRIV is None,
+    reason="needs root and setpriv(1), to act as a second user (nobody)",
+)
+
+
+def as_nobody(*command: str) -> None:
+    """Run ``command`` as nobody (no capabilities, no groups), failing on a non-zero exit."""
+    assert SETPRIV is not None
+    subprocess.run(
+        [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command],
+        check=True,
+        timeout=60,
+    )
+
+
+@contextlib.contextmanager
+def folder_under_tmp(mode: int) -> Iterator[Path]:
+    """A new folder directly under /tmp with ``mode`` (tmp_path's parents are 0o700, so
+    another user could not reach it), removed afterwards."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="loader-search-test-"))
+    path.chmod(mode)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -11,29 +11,21 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_CONFIG, invoke, run_cli
-
-NOBODY = 65534
-SETPRIV = shutil.which("setpriv")
-needs_a_second_user = pytest.mark.skipif(
-    os.geteuid() != 0 or SETPRIV is None,
-    reason="needs root and setpriv(1), to act as a second user (nobody)",
+from tests.conftest import (
+    NOBODY,
+    SETPRIV,
+    TINY_CONFIG,
+    as_nobody,
+    folder_under_tmp,
+    invoke,
+    needs_a_second_user,
+    run_cli,
 )
-
-
-def _as_nobody(*command: str) -> None:
-    assert SETPRIV is not None
-    subprocess.run(
-        [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command],
-        check=True,
-        timeout=60,
-    )
 
 
 def one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
@@ -49,12 +41,8 @@ def one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A sticky, world-writable folder under /tmp, like /tmp itself."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="loader-search-test-"))
-    path.chmod(0o1777)
-    try:
+    with folder_under_tmp(0o1777) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @needs_a_second_user
@@ -66,9 +54,9 @@ def test_a_planted_timings_symlink_is_refused_and_its_target_left_alone(
     victim.chmod(0o600)
     # In a teammate's own folder (in a sticky one the kernel may refuse the link itself).
     theirs = shared_tmp / "theirs"
-    _as_nobody("mkdir", "-m", "755", str(theirs))
+    as_nobody("mkdir", "-m", "755", str(theirs))
     planted = theirs / "timings.jsonl"
-    _as_nobody("ln", "-s", str(victim), str(planted))
+    as_nobody("ln", "-s", str(victim), str(planted))
     config = tmp_path / "study.toml"
     config.write_text(TINY_CONFIG.format(trials=1))
     database = tmp_path / "study.db"

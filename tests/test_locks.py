@@ -8,12 +8,10 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,9 +25,14 @@ from loader_search.team import _locks as locks
 from loader_search.team._locks import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
 from tests.conftest import (
     MARIADB_URL,
+    NOBODY,
     POSTGRES_URL,
     ROOT,
+    SETPRIV,
     TINY_CONFIG,
+    as_nobody,
+    folder_under_tmp,
+    needs_a_second_user,
     run_cli,
     scratch_database,
 )
@@ -93,33 +96,13 @@ def test_lock_files_are_usable_by_every_user(tmp_path: Path) -> None:
 # These run as root and act as a second, real user (nobody) through setpriv, as an attacker on a
 # shared machine would: plant links, FIFOs and folders, or hold the lock forever.
 
-NOBODY = 65534
-SETPRIV = shutil.which("setpriv")
-needs_a_second_user = pytest.mark.skipif(
-    os.geteuid() != 0 or SETPRIV is None,
-    reason="needs root and setpriv(1), to act as a second user (nobody) on lock files",
-)
-
-
-def _as_nobody(*command: str) -> None:
-    assert SETPRIV is not None
-    subprocess.run(
-        [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command],
-        check=True,
-        timeout=60,
-    )
-
 
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A folder under /tmp that nobody can reach (tmp_path's parents are 0o700), root's and
     not writable by others."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="loader-search-test-"))
-    path.chmod(0o755)
-    try:
+    with folder_under_tmp(0o755) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -149,7 +132,7 @@ def _mode(path: Path) -> int:
 def test_a_planted_symlink_is_refused_and_its_target_left_alone(
     sticky: Path, victim: Path, name: str, cpus: list[int] | None
 ) -> None:
-    _as_nobody("ln", "-s", str(victim), str(sticky / name))
+    as_nobody("ln", "-s", str(victim), str(sticky / name))
     message = rf"the lock file {re.escape(str(sticky / name))} is a symlink.*; remove it"
     with pytest.raises(UserError, match=message), host_lock(cpus, directory=sticky):
         pass
@@ -162,7 +145,7 @@ def test_a_planted_dangling_symlink_does_not_create_its_target(
     sticky: Path, shared_tmp: Path
 ) -> None:
     target = shared_tmp / "absent"  # O_CREAT through the link would create it, as root
-    _as_nobody("ln", "-s", str(target), str(sticky / "gpu-0.lock"))
+    as_nobody("ln", "-s", str(target), str(sticky / "gpu-0.lock"))
     with (
         pytest.raises(UserError, match=r"gpu-0\.lock is a symlink"),
         host_lock(directory=sticky, gpu=0),
@@ -174,7 +157,7 @@ def test_a_planted_dangling_symlink_does_not_create_its_target(
 @needs_a_second_user
 def test_a_planted_hard_link_is_used_read_only_and_its_file_left_alone(sticky: Path) -> None:
     theirs = sticky / "theirs"
-    _as_nobody("sh", "-c", f"umask 077 && echo data > {theirs} && ln {theirs} {sticky}/host.lock")
+    as_nobody("sh", "-c", f"umask 077 && echo data > {theirs} && ln {theirs} {sticky}/host.lock")
     with host_lock(directory=sticky):
         pass
     assert _mode(theirs) == 0o600
@@ -184,7 +167,7 @@ def test_a_planted_hard_link_is_used_read_only_and_its_file_left_alone(sticky: P
 
 @needs_a_second_user
 def test_a_planted_fifo_is_refused_at_once(sticky: Path) -> None:
-    _as_nobody("mkfifo", "-m", "666", str(sticky / "host.lock"))
+    as_nobody("mkfifo", "-m", "666", str(sticky / "host.lock"))
     outcome: list[BaseException] = []
 
     def take() -> None:
@@ -207,7 +190,7 @@ def test_a_planted_fifo_is_refused_at_once(sticky: Path) -> None:
 @needs_a_second_user
 def test_another_users_lock_file_in_a_sticky_folder_is_used_as_it_is(sticky: Path) -> None:
     """The host lock is shared by every user on purpose; only its mode is its owner's."""
-    _as_nobody("sh", "-c", f"umask 022 && : > {sticky}/host.lock")
+    as_nobody("sh", "-c", f"umask 022 && : > {sticky}/host.lock")
     assert _mode(sticky / "host.lock") == 0o644
     with host_lock(directory=sticky):
         pass
@@ -219,7 +202,7 @@ def test_another_users_lock_file_in_a_sticky_folder_is_used_as_it_is(sticky: Pat
 @pytest.mark.parametrize("mode", ["777", "755", "1777"])
 def test_a_lock_folder_owned_by_another_user_is_refused(sticky: Path, mode: str) -> None:
     folder = sticky / "theirs"
-    _as_nobody("mkdir", "-m", mode, str(folder))
+    as_nobody("mkdir", "-m", mode, str(folder))
     message = (
         f"the lock folder {folder} is owned by uid {NOBODY} (nobody), who could swap its lock"
         f" files for links to your files; remove it, or set {LOCK_DIR_ENV} to a folder you own"
@@ -252,7 +235,7 @@ def test_a_symlinked_lock_folder_is_refused(sticky: Path, shared_tmp: Path) -> N
     target = shared_tmp / "target"
     target.mkdir()
     target.chmod(0o1777)  # a good folder, but the link to it could be swapped at any time
-    _as_nobody("ln", "-s", str(target), str(sticky / "link"))
+    as_nobody("ln", "-s", str(target), str(sticky / "link"))
     message = f"the lock folder {sticky / 'link'} is a symlink; remove it, or set {LOCK_DIR_ENV}"
     with pytest.raises(UserError, match=re.escape(message)), host_lock(directory=sticky / "link"):
         pass
@@ -273,7 +256,7 @@ def test_a_missing_lock_folder_is_made_sticky_and_world_writable(
 @needs_a_second_user
 def test_a_process_refuses_a_configured_lock_folder_another_user_owns(sticky: Path) -> None:
     folder = sticky / "theirs"
-    _as_nobody("mkdir", "-m", "1777", str(folder))
+    as_nobody("mkdir", "-m", "1777", str(folder))
     result = subprocess.run(
         [
             sys.executable,
@@ -300,7 +283,7 @@ def test_the_sqlite_study_lock_never_follows_a_planted_symlink(
     monkeypatch.setenv(LOCK_DIR_ENV, str(sticky))
     database = tmp_path / "study.db"
     name = locks.sqlite_lock_name(str(database))
-    _as_nobody("ln", "-s", str(victim), f"{sticky}/{name}")
+    as_nobody("ln", "-s", str(victim), f"{sticky}/{name}")
     engine = sqlalchemy.create_engine(f"sqlite:///{database}")
     with (
         pytest.raises(UserError, match=rf"{re.escape(name)} is a symlink"),
@@ -462,7 +445,7 @@ def test_a_note_written_by_another_user_is_not_trusted(sticky: Path) -> None:
     holder, pid = _start_holder(sticky, "real-study", as_nobody=False)
     spoof = {"pid": pid, "user": "root", "study": "spoofed", "since": time.time()}
     # nobody writes the note root's holder would write, before it can.
-    _as_nobody(
+    as_nobody(
         sys.executable,
         "-c",
         "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
@@ -665,7 +648,7 @@ def test_a_lock_folder_under_another_users_symlink_is_refused(
     """``<shared>/sym/sub`` with ``sym -> /etc`` planted: root made /etc/sub, mode 1777."""
     etc = shared_tmp / "etc"  # root's, as /etc is
     etc.mkdir()
-    _as_nobody("ln", "-s", str(etc), str(sticky / "sym"))
+    as_nobody("ln", "-s", str(etc), str(sticky / "sym"))
     folder = sticky / "sym" / "sub" / "locks"
     message = f"lies under {sticky / 'sym'}, a symlink owned by uid {NOBODY} (nobody)"
     with pytest.raises(UserError, match=re.escape(message)), host_lock(directory=folder):
@@ -723,7 +706,7 @@ def test_another_users_unreadable_host_lock_is_one_line_naming_its_owner(
 def test_a_planted_host_lock_symlink_is_refused_before_the_study_is_created(
     sticky: Path, victim: Path, tmp_path: Path
 ) -> None:
-    _as_nobody("ln", "-s", str(victim), str(sticky / "host.lock"))
+    as_nobody("ln", "-s", str(victim), str(sticky / "host.lock"))
     config = tmp_path / "study.toml"
     config.write_text(TINY_CONFIG.format(trials=1))
     database = tmp_path / "study.db"
