@@ -34,6 +34,13 @@ class Range:
     low_open: bool = False
     high_text: str | None = None  # the problem to state above ``high``, if not the default
 
+    def type_problem(self, value: Any) -> str | None:
+        """What is wrong with ``value``'s type for this rule (a bool is no number), or None."""
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.integer and not (is_number and isinstance(value, int)):
+            return "must be an integer"
+        return None if is_number else "must be a number"
+
     def problem(self, value: float) -> str | None:
         """What is wrong with ``value`` (already of the right type), or None."""
         if not math.isfinite(value):
@@ -92,12 +99,7 @@ def check_value(key: str, value: Any, rule: str | None = None) -> None:
     """Raise `ConfigError` unless ``value`` obeys ``RANGES[rule or key]`` (``key`` is what the
     message names, e.g. ``space.batch_size.min`` checked by the ``space.batch_size`` rule)."""
     allowed = RANGES[rule or key]
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if allowed.integer and not (is_number and isinstance(value, int)):
-        raise ConfigError(key, value, "must be an integer")
-    if not is_number:
-        raise ConfigError(key, value, "must be a number")
-    problem = allowed.problem(value)
+    problem = allowed.type_problem(value) or allowed.problem(value)
     if problem is not None:
         raise ConfigError(key, value, problem)
 
@@ -109,10 +111,9 @@ def check_options(values: Mapping[str, Any], rules: Mapping[str, Range]) -> None
     the database may have changed (``train_size = 10**8`` would build for hours)."""
     for name, rule in rules.items():
         value = values[name]
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not is_number or (rule.integer and not isinstance(value, int)):
-            kind = "an integer" if rule.integer else "a number"
-            raise ValueError(f"{name} = {value!r}: must be {kind}, {rule.text}")
+        wrong_type = rule.type_problem(value)
+        if wrong_type is not None:
+            raise ValueError(f"{name} = {value!r}: {wrong_type}, {rule.text}")
         problem = rule.problem(value)
         if problem is not None:
             raise ValueError(f"{name} = {value!r}: {problem}")

@@ -33,6 +33,7 @@ from loader_search.study._keys import (
     REFUSED,
     RETRY_HISTORY,
     stored_setting,
+    stored_table,
     study_tolerance,
 )
 from loader_search.trial._failures import INTERRUPTED
@@ -114,14 +115,12 @@ def confirm_settings(
     else the config's, so every worker applies the same ones; each checked against its rule
     (`stored_setting`). A study stored before the paired rounds has ``repeats``: it stands
     for the minimum of rounds."""
-    stored = attrs.get(CONFIRM_ATTR) or {}
+    stored = stored_table(study, attrs, CONFIRM_ATTR)
 
     def setting(key: str, default: Any) -> Any:
         rule = f"study.confirm_{key}"
         return stored_setting(study, stored, key, default, rule, shown=f"{CONFIRM_ATTR}.{key}")
 
-    if not isinstance(stored, Mapping):
-        setting("top", None)  # says what is wrong with it
     # An interval needs 2 rounds; older studies allowed 1 repeat.
     older = stored.get("repeats")
     if "min_rounds" not in stored and isinstance(older, int) and not isinstance(older, bool):

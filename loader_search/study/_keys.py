@@ -162,17 +162,22 @@ def stored_setting(
     against `RANGES`' ``rule``: the database is written by other hands too, and a NaN
     tolerance or a negative budget would break every command of everyone who shares it. A
     bad value is a `UserError` naming the study, the key (``shown``) and the fix."""
-    if not isinstance(attrs, Mapping):
-        table = shown.rpartition(".")[0] if shown and "." in shown else "its settings"
-        raise UserError(
-            f"study {study!r} stores {table} = {show_value(attrs)}, not a table; {_RESTORE}"
-        )
     value = attrs.get(key, default)
     try:
         check_value(shown or key, value, rule)
     except ConfigError as exc:
         raise UserError(f"study {study!r} stores {exc}; {_RESTORE}") from None
     return value
+
+
+def stored_table(study: str, attrs: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The table of settings stored under ``key`` (empty when absent), which must be one."""
+    table = attrs.get(key) or {}
+    if not isinstance(table, Mapping):
+        raise UserError(
+            f"study {study!r} stores {key} = {show_value(table)}, not a table; {_RESTORE}"
+        )
+    return table
 
 
 def study_budget(study: str, attrs: Mapping[str, Any], default: int) -> int:

@@ -282,42 +282,33 @@ class ResolvedSpace:
         )
 
     def problem(self, params: LoaderParams, *, baseline: bool = False) -> str | None:
-        """What puts ``params`` outside this space, or None. For settings that came from the
-        database rather than from `suggest` (a queued trial: Optuna runs a queued value
-        whatever the space says). ``baseline``: the plain loader, no workers, which may lie
-        outside a num_workers range that starts above 0."""
+        """What puts ``params``, drawn by `suggest` for a queued trial, outside this space,
+        or None. Optuna runs a queued value of an integer parameter whatever its range says
+        (it only warns); a queued choice that is none of a categorical's options already
+        fails in `suggest` (ValueError), and fixed settings are never taken from the queue.
+        ``baseline``: the plain loader, no workers, which may lie outside a num_workers
+        range that starts above 0."""
 
-        def outside(name: str, value: object, allowed: str) -> str:
-            return f"{name}={value} is outside the study's space ({allowed})"
+        def outside(name: str, value: object, allowed: IntRange) -> str:
+            return f"{name}={value} is outside the study's space ({allowed.low} to {allowed.high})"
 
-        if params.batch_size not in self.batch_sizes:
-            sizes = ", ".join(map(str, self.batch_sizes))
-            return outside("batch_size", params.batch_size, f"batch_size one of {sizes}")
         workers = self.num_workers
         if not workers.low <= params.num_workers <= workers.high and not (
             baseline and params.num_workers == 0
         ):
-            return outside("num_workers", params.num_workers, f"{workers.low} to {workers.high}")
-        if params.num_workers > 0:
-            prefetch = self.prefetch_factor
-            if not prefetch.low <= (params.prefetch_factor or 0) <= prefetch.high:
-                return outside(
-                    "prefetch_factor", params.prefetch_factor, f"{prefetch.low} to {prefetch.high}"
-                )
-            if params.backend not in self.backend:
-                return outside("backend", params.backend, " or ".join(self.backend))
+            return outside("num_workers", params.num_workers, workers)
+        prefetch = self.prefetch_factor
+        if (
+            params.num_workers > 0
+            and not prefetch.low <= (params.prefetch_factor or 0) <= prefetch.high
+        ):
+            return outside("prefetch_factor", params.prefetch_factor, prefetch)
         threads = self.torch_threads
         if (
             isinstance(threads, IntRange)
             and not threads.low <= params.torch_threads <= threads.high
         ):
-            return outside(
-                "torch_threads", params.torch_threads, f"{threads.low} to {threads.high}"
-            )
-        if isinstance(threads, int) and params.torch_threads != threads:
-            return outside("torch_threads", params.torch_threads, f"torch_threads {threads}")
-        if self.pin_memory is not None and params.pin_memory != self.pin_memory:
-            return outside("pin_memory", params.pin_memory, f"pin_memory {self.pin_memory}")
+            return outside("torch_threads", params.torch_threads, threads)
         return None
 
     def _threads(self, trial: Trial, num_workers: int) -> int:

@@ -387,14 +387,14 @@ def _open_error(exc: Exception, url: str, shown: str) -> UserError:
             " raise the server's connection limit (PostgreSQL max_connections, MySQL"
             " max_connections) or run fewer workers, or wait for it to finish starting"
         )
-    if is_transient(exc) and timed_out(exc):
-        return UserError(
-            f"storage {shown}: {_address(url)} did not answer within {db_timeout_s():g} s"
-            " (another kind of server on that port, or a firewall that drops the"
-            f" connection?); check the URL's host and port, or set {DB_TIMEOUT_ENV} to wait"
-            " longer"
-        )
     if is_transient(exc):
+        if timed_out(exc):
+            return UserError(
+                f"storage {shown}: {_address(url)} did not answer within {db_timeout_s():g} s"
+                " (another kind of server on that port, or a firewall that drops the"
+                f" connection?); check the URL's host and port, or set {DB_TIMEOUT_ENV} to"
+                " wait longer"
+            )
         # Optuna wraps errors raised at commit: the driver's own message is the cause's.
         cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
         return UserError(
