@@ -190,8 +190,12 @@ def invoke(
 
     overrides: dict[str, str | None] = {"LOADER_SEARCH_STORAGE": None, DEBUG_ENV: None}
     overrides.update(env or {})
-    with contextlib.chdir(cwd or ROOT):
+    before = Path.cwd()
+    os.chdir(cwd or ROOT)  # not contextlib.chdir: that is Python 3.11's, the project runs on 3.10
+    try:
         result = CliRunner().invoke(app, list(args), env=overrides)
+    finally:
+        os.chdir(before)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception  # a bug, not an answer: show where it came from
     return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
