@@ -16,7 +16,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import backends, claims, ground_truth, model, replay, resolve, scale, speedup
+from benchmarks import (
+    agreement,
+    backends,
+    claims,
+    ground_truth,
+    model,
+    replay,
+    resolve,
+    scale,
+    speedup,
+)
 from loader_search.study._config import load_config
 from loader_search.study._points import TrialPoint, pareto_front
 from loader_search.trial._system import cpu_model, usable_cpus
@@ -349,6 +359,8 @@ def claims_section(result: dict[str, Any]) -> str:
                 "error": r["claim_error"],
                 "covered": {True: "yes", False: "no", None: "-"}[r["covered"]],
                 "study_s": r["study_s"],
+                "share": r["confirmation"]["share"],
+                "blocks": {True: "disagree", False: "agree", None: "-"}[r["blocks_disagree"]],
             }
         )
     columns = [
@@ -363,6 +375,8 @@ def claims_section(result: dict[str, Any]) -> str:
         ("error", "claim error", "+.1%"),
         ("covered", "CI covers it", ""),
         ("study_s", "study s", ".0f"),
+        ("share", "confirmation share", ".0%"),
+        ("blocks", "blocks", ""),
     ]
     summary = "No study recommended anything but its baseline."
     if result["checked"]:
@@ -384,8 +398,10 @@ def claims_section(result: dict[str, Any]) -> str:
         [
             f"{len(result['studies'])} independent studies (seeds 0-{len(result['studies']) - 1})"
             " with the service's defaults; each one's claim against the baseline and its"
-            f" recommendation measured afterwards side by side ({result['rounds']} paired"
-            " rounds, alternating order).",
+            f" recommendation measured afterwards side by side through the reference loop"
+            f" (`benchmarks/reference.py`, {result['rounds']} paired rounds, alternating order)."
+            " Confirmation share: the confirmation rounds' share of the time the study's"
+            f" trials took (median {result['median_confirmation_share']:.0%}).",
             "",
             _table(rows, columns),
             "",
@@ -494,6 +510,7 @@ def main(argv: list[str] | None = None) -> None:
             "replay",
             "speedup",
             "claims",
+            "agreement",
             "scale",
             "backends",
             "all",
@@ -507,6 +524,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--studies", type=int, default=5, help="claims: independent studies")
     parser.add_argument(
         "--claim-rounds", type=int, default=12, help="claims: side-by-side paired rounds"
+    )
+    parser.add_argument(
+        "--agreement-rounds",
+        type=int,
+        default=10,
+        help="agreement: interleaved rounds of the runner and the reference loop",
     )
     parser.add_argument(
         "--variants",
@@ -647,6 +670,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         results["claims"] = result
         sections += ["## Claimed speedup against side by side", claims_section(result)]
+    if args.command in ("agreement", "all"):
+        result = agreement.run(
+            config_path=args.config, quick=args.quick, rounds=args.agreement_rounds
+        )
+        results["agreement"] = result
+        sections += ["## The trial runner against a plain loop", agreement.section(result)]
     if args.command == "backends":
         result = backends.run(quick=args.quick, rounds=rounds)
         results["backends"] = result

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from loader_search.trial._measure import PeakRSS, StepMeter
+from loader_search.trial._measure import PeakRSS, StepMeter, tree_rss_bytes
 
 
 def test_window_excludes_warmup_batches() -> None:
@@ -45,3 +47,24 @@ def test_peak_rss_includes_child_processes() -> None:
         child = subprocess.Popen([sys.executable, "-c", code])
         child.wait(timeout=30)
     assert with_child.peak_bytes - alone.peak_bytes > 250 * 2**20
+
+
+def test_the_tree_reading_from_proc_agrees_with_psutil() -> None:
+    code = "b = bytearray(200 * 2**20); import time; time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 20
+        me = psutil.Process()
+        while time.monotonic() < deadline:  # until the child holds its 200 MiB
+            if psutil.Process(child.pid).memory_info().rss > 200 * 2**20:
+                break
+            time.sleep(0.05)
+        from_proc = tree_rss_bytes(os.getpid())
+        by_psutil = me.memory_info().rss + sum(c.memory_info().rss for c in me.children(True))
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert from_proc is not None, "this Linux has /proc/PID/task/TID/children"
+    assert from_proc > 200 * 2**20
+    assert abs(from_proc - by_psutil) < 0.05 * by_psutil
+    assert tree_rss_bytes(2**22 + 12345) is None  # no such process

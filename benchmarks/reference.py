@@ -1,0 +1,155 @@
+"""A plain training loop, written as a user would write it: the yardstick for the service's
+readings.
+
+It shares no code with `loader_search.trial` (the trial runner it checks): only the workload's
+data, model, loss and optimizer come from `loader_search.workloads`, and the settings from
+the study config. Each reading is a fresh Python process (``python -m benchmarks.reference``),
+as a user's training script is:
+
+1. ``torch.set_num_threads``, a seeded model and optimizer, the learning rate of the batch
+   size (the study's rule), a ``torch.utils.data.DataLoader`` built with the setting's
+   arguments and nothing else (the platform's start method, shuffling, the workload's collate).
+2. ``for epoch: for inputs, targets in loader:`` forward, loss, backward, step.
+3. The first ``warmup`` batches are not timed (worker start-up, the prefetch burst); then
+   ``windows`` consecutive windows of ``window_batches`` batches each, timed with
+   ``time.perf_counter`` between the ends of two steps. The reading is the median window
+   (samples/s); the windows run across epoch boundaries as training does.
+
+Nothing else runs in the process: no meters, no progress pings, no memory sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+WARMUP_BATCHES = 10
+WINDOWS = 3
+WINDOW_BATCHES = 40
+TIMEOUT_S = 600  # one reading; a hung loader fails the benchmark instead of stalling it
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train_and_time(
+    config_path: Path,
+    params: dict[str, Any],
+    *,
+    warmup: int = WARMUP_BATCHES,
+    windows: int = WINDOWS,
+    window_batches: int = WINDOW_BATCHES,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train the config's workload (its options updated with ``options``) with ``params`` (a
+    `LoaderParams.as_dict`) in this process and time it (see the module docstring). Returns
+    the median window and every window."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from loader_search.study._config import load_config
+    from loader_search.workloads import load_workload
+
+    config = load_config(config_path)
+    workload = load_workload(config.workload, {**config.workload_options, **(options or {})})
+    training = config.training
+    batch_size = int(params["batch_size"])
+    workers = int(params.get("num_workers", 0))
+    torch.set_num_threads(int(params.get("torch_threads") or torch.get_num_threads()))
+    torch.manual_seed(training.seed)
+    base_lr = training.lr if training.lr is not None else workload.base_lr
+    ratio = batch_size / training.batch_size
+    lr = {"linear": base_lr * ratio, "sqrt": base_lr * math.sqrt(ratio)}.get(
+        training.lr_scaling, base_lr
+    )
+    model = workload.make_model()
+    optimizer = workload.make_optimizer(model.parameters(), lr)
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "shuffle": True, "num_workers": workers}
+    if workers:
+        kwargs["prefetch_factor"] = int(params.get("prefetch_factor") or 2)
+        kwargs["persistent_workers"] = bool(params.get("persistent_workers"))
+    kwargs["pin_memory"] = bool(params.get("pin_memory"))
+    loader = DataLoader(workload.train_dataset, collate_fn=workload.collate_fn, **kwargs)
+
+    needed = warmup + windows * window_batches
+    marks: list[tuple[float, int]] = []  # (time, samples trained) at each window's edges
+    done = samples = 0
+    model.train()
+    while done < needed:
+        for inputs, targets in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss_fn(model(inputs), targets)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            done += 1
+            samples += len(targets)
+            if done >= warmup and (done - warmup) % window_batches == 0:
+                marks.append((time.perf_counter(), samples))
+            if done >= needed:
+                break
+    rates = [(s1 - s0) / (t1 - t0) for (t0, s0), (t1, s1) in itertools.pairwise(marks)]
+    if not math.isfinite(loss.item()):
+        raise RuntimeError(f"training diverged (loss {loss.item()})")
+    return {"throughput": statistics.median(rates), "windows": rates}
+
+
+def reading(
+    config_path: Path,
+    params: dict[str, Any],
+    options: Mapping[str, Any] | None = None,
+    **window: int,
+) -> dict[str, Any]:
+    """One reading in a fresh process (see the module docstring); raises on its failure."""
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.reference",
+        str(config_path),
+        json.dumps(params),
+        f"--options={json.dumps(dict(options or {}))}",
+        *(f"--{name.replace('_', '-')}={value}" for name, value in window.items()),
+    ]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the reference loop failed for {params}: {done.stderr.strip()[-2000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reference", description=__doc__)
+    parser.add_argument("config", type=Path, help="study config file (workload, training)")
+    parser.add_argument("params", help="loader settings as JSON (LoaderParams.as_dict)")
+    parser.add_argument("--warmup", type=int, default=WARMUP_BATCHES)
+    parser.add_argument("--windows", type=int, default=WINDOWS)
+    parser.add_argument("--window-batches", type=int, default=WINDOW_BATCHES)
+    parser.add_argument("--options", default="{}", help="workload options to override, as JSON")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.windows < 1 or args.window_batches < 1:
+        parser.error("--warmup, --windows and --window-batches must be at least 1")
+    result = train_and_time(
+        args.config,
+        json.loads(args.params),
+        warmup=args.warmup,
+        windows=args.windows,
+        window_batches=args.window_batches,
+        options=json.loads(args.options),
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
