@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable
 
 import optuna
@@ -26,6 +27,7 @@ from loader_search.study._confirm import (
     NO_RELIABLE_GAIN,
     ConfirmSettings,
     Remeasure,
+    chi2_95,
     next_remeasure,
     paired_speedup,
     t_975,
@@ -39,7 +41,7 @@ from loader_search.study._keys import (
     OTHER_LOAD_ATTR,
     PARAMS_ATTR,
 )
-from loader_search.study._recommend import summarize_trials
+from loader_search.study._recommend import NOT_CONFIRMED, VERDICTS, summarize_trials
 from loader_search.trial._failures import INTERRUPTED
 
 BASE = LoaderParams(64, 0, torch_threads=2)
@@ -313,10 +315,10 @@ def test_a_candidate_that_left_never_comes_back_and_the_cap_counts_the_leader() 
 
     def reading(params: LoaderParams, round_: int) -> float:
         if params == MID:
-            return 80.0  # 0.8x: wholly below FAST's 1.5x after the minimum of rounds
+            return 80.0  # 0.8x: surely no faster than the baseline after the minimum
         if params == FAST:
             if round_ < SETTINGS.min_rounds:
-                return (140.0, 160.0, 150.0)[round_]  # ~1.5x, not yet within 5%
+                return (110.0, 190.0, 100.0)[round_]  # swings: never surely faster
             return 100.0 * next(later)
         return 100.0
 
@@ -351,3 +353,60 @@ def test_a_reading_beside_a_busy_neighbour_is_measured_again_a_bounded_number_of
     assert rec is not None and rec.paired is not None
     ratios = [150.0 / 100.0] * (rec.paired.rounds - 1) + [91.0 / 100.0]
     assert rec.paired.estimate == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)))
+
+
+def test_a_kept_baseline_has_a_verdict_and_an_unconfirmed_reading_says_so() -> None:
+    # Nothing read faster than the baseline: no rounds ran, and the baseline is kept.
+    kept = summarize_trials("s", searched({BASE: 100.0, FAST: 90.0, MID: 80.0}), 0.05)
+    rec = kept.recommended
+    assert rec is not None and rec.point.is_baseline and rec.paired is None
+    assert rec.verdict == NO_RELIABLE_GAIN
+    assert rec.as_dict()["verdict"] == "no_reliable_gain"
+    # A faster reading, no rounds yet (a study still searching, or confirm_top = 0).
+    unconfirmed = summarize_trials("s", searched({BASE: 100.0, FAST: 150.0}), 0.05).recommended
+    assert unconfirmed is not None and unconfirmed.point.params == FAST
+    assert unconfirmed.verdict == NOT_CONFIRMED
+    assert unconfirmed.as_dict()["verdict"] in VERDICTS
+
+
+def test_blocks_that_disagree_widen_the_interval_and_say_so() -> None:
+    # Two rounds in one state of the machine, two in another: each round alike within its
+    # block, the blocks far apart (the bimodal case of issue 27).
+    shifted = [1.02, 1.05, 1.40, 1.43]
+    found = paired_speedup(shifted)
+    assert found is not None and found.blocks_disagree
+    logs = [math.log(r) for r in shifted]
+    plain = stats.t.ppf(0.975, 3) * statistics.stdev(logs) / 2  # the rounds as independent
+    assert math.log(found.high / found.estimate) > 2 * plain
+    assert found.verdict == NO_RELIABLE_GAIN  # two blocks cannot tell which state is usual
+    # Rounds with the same spread, in no particular order: the blocks agree.
+    mixed = paired_speedup([1.02, 1.40, 1.05, 1.43])
+    assert mixed is not None and not mixed.blocks_disagree
+    assert chi2_95(1) == pytest.approx(stats.chi2.ppf(0.95, 1), rel=1e-3)
+    for degrees in (11, 30, 100):
+        assert chi2_95(degrees) == pytest.approx(stats.chi2.ppf(0.95, degrees), rel=2e-3)
+
+
+def test_a_candidate_surely_slower_than_the_leader_leaves_though_both_beat_the_baseline() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    rng = random.Random(3)
+    state: dict[int, tuple[float, float]] = {}
+
+    def reading(params: LoaderParams, round_: int) -> float:
+        # A drift shared by the round, and noise of the baseline's own: against the
+        # baseline both candidates' intervals are wide and overlap; against each other,
+        # paired by round, MID is 0.87x FAST every time.
+        drift, own = state.setdefault(round_, (rng.uniform(0.7, 1.3), rng.uniform(0.8, 1.2)))
+        return {BASE: 100.0 * own, FAST: 150.0, MID: 130.0}[params] * drift
+
+    asked = confirm(trials, reading)
+    assert {s.round for s in asked if s.params == MID} == set(range(SETTINGS.min_rounds))
+    assert max(s.round for s in asked) >= SETTINGS.min_rounds - 1
+
+
+def test_the_race_ends_when_every_candidate_is_surely_no_faster() -> None:
+    trials = searched({BASE: 100.0, FAST: 150.0, MID: 140.0})
+    asked = confirm(trials, lambda p, r: {BASE: 100.0, FAST: 90.0, MID: 80.0}[p])
+    assert max(s.round for s in asked) == SETTINGS.min_rounds - 1  # not a trial more
+    rec = summarize_trials("s", trials, 0.05).recommended
+    assert rec is not None and rec.verdict == NO_RELIABLE_GAIN

@@ -100,7 +100,7 @@ class StudyConfig:
     # in paired rounds (0 turns it off; see loader_search.study._confirm): at least
     # ``confirm_min_rounds``, until the leader's 95% interval is within
     # ``confirm_half_width`` of its estimate, at most ``confirm_max_rounds``.
-    confirm_top: int = 3
+    confirm_top: int = 2
     confirm_min_rounds: int = 3
     confirm_max_rounds: int = 15
     confirm_half_width: float = 0.05

@@ -8,18 +8,36 @@ A C B, C B A, ...), one trial at a time per hardware class, so that a slow spell
 machine, or a neighbour's load, hits every setting of a round alike. A candidate's speedup is
 estimated from its per-round ratios against the baseline: the geometric mean, with a 95%
 Student-t interval on the log ratios (the paired t-interval: the rounds are the pairs, and a
-ratio of throughputs is closer to log-normal than to normal). Rounds go on until every
-candidate still in them was measured in ``min_rounds``, and the leader's interval is within
-``half_width`` of its estimate, or the leader was measured in ``max_rounds``. The leader,
-here as in the recommendation (`preference`), is a candidate surely faster than the baseline
-before one that may not be, then the one with the higher estimate. Its interval is not widened for
-having been chosen among up to ``top`` candidates: the benchmarks measure how often it
-covers a side-by-side measurement (``python -m benchmarks claims``). A candidate whose
-interval lies wholly below the leader's (after ``min_rounds``), or whose trial failed
-`MAX_FAILURES` times, leaves the rounds for good. A reading taken while other processes kept
-more than `DISTURBED_LOAD` of the trial's CPUs busy (``other_load``, measured over its window)
-is not a fair one: it is measured again, up to `MAX_DISTURBED` times per slot, then taken as
-it is (a machine that is always busy still ends its rounds).
+ratio of throughputs is closer to log-normal than to normal).
+
+**Blocks.** Consecutive rounds form blocks of `BLOCK_ROUNDS` (tens of seconds of trials each).
+When the machine's state changes during the rounds (a neighbour's load, the host's frequency), the
+ratios of one block differ from another's by more than the rounds within a block do, and a
+later run on the machine will meet such states too. The interval is then a random-effects
+one (DerSimonian-Laird: the variance between blocks, ``tau^2``, is added to the within-block
+noise), never narrower than the paired t-interval; where the blocks disagree beyond their
+noise (Cochran's Q above its chi-square 0.95 quantile) the blocks, not the rounds, count as the
+independent units (Student's t with blocks - 1 degrees of freedom), the speedup carries
+``blocks_disagree``, the rounds go on (more blocks) until the cap, and every view says so.
+What it covers: the changes of state the rounds saw. What it cannot cover: a state they never
+saw (a rerun on a machine quieter or busier than it was during the whole study).
+
+**A race.** The rounds spend their trials where the decision is still open, as F-race and
+SMAC's intensification do: once measured in ``min_rounds``, a candidate leaves for good when
+it is surely no faster than the baseline (its interval lies below 1) or surely slower than the
+leader (the interval of its per-round ratios to the leader's, paired by round so that the
+round's state cancels, lies below 1), or when its trial failed `MAX_FAILURES` times. The
+rounds stop once every candidate still in them was measured in ``min_rounds`` and the leader
+is decided (surely faster than the baseline, its blocks agreeing), or its interval is within
+``half_width`` of its estimate, or it was measured in ``max_rounds``; or when no candidate is
+left. The leader, here as in the recommendation (`preference`), is a candidate surely faster
+than the baseline before one that may not be, then the one with the higher estimate. Its
+interval is not widened for having been chosen among up to ``top`` candidates: the benchmarks
+measure how often it covers a plain training loop's ratio (``python -m benchmarks claims``).
+A reading taken while other processes kept more than `DISTURBED_LOAD` of the trial's CPUs busy
+(``other_load``, measured over its window) is not a fair one: it is measured again, up to
+`MAX_DISTURBED` times per slot, then taken as it is (a machine that is always busy still ends
+its rounds).
 
 The verdict is "faster" when the interval's lower end is above 1, else "no_reliable_gain":
 at this noise level no setting is reliably faster than the baseline.
@@ -68,6 +86,12 @@ _T_975 = {
     17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
     120: 1.980,
 }  # fmt: skip
+# Chi-square, 0.95 quantile, by degrees of freedom (Cochran's Q test of the blocks).
+_CHI2_95 = {
+    1: 3.841, 2: 5.991, 3: 7.815, 4: 9.488, 5: 11.070, 6: 12.592, 7: 14.067, 8: 15.507,
+    9: 16.919, 10: 18.307,
+}  # fmt: skip
+BLOCK_ROUNDS = 2  # consecutive rounds per block (see the module docstring)
 
 
 def t_975(degrees: int) -> float:
@@ -96,6 +120,9 @@ class PairedSpeedup:
     low: float  # its 95% interval
     high: float
     rounds: int  # rounds in which both it and the baseline were measured
+    # Its blocks of rounds disagree beyond their noise: the machine's state changed during
+    # the rounds (the interval then spans the blocks; see the module docstring).
+    blocks_disagree: bool = False
 
     @property
     def half_width(self) -> float:
@@ -113,16 +140,71 @@ def preference(speedup: PairedSpeedup) -> tuple[bool, float]:
     return speedup.verdict == FASTER, speedup.estimate
 
 
+def chi2_95(degrees: int) -> float:
+    """The 0.95 quantile of the chi-square distribution with ``degrees`` (>= 1) degrees of
+    freedom: the table to 10, the Wilson-Hilferty approximation beyond (within 0.2%)."""
+    if degrees < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {degrees}")
+    if degrees in _CHI2_95:
+        return _CHI2_95[degrees]
+    a = 2 / (9 * degrees)
+    return degrees * (1 - a + 1.6449 * math.sqrt(a)) ** 3
+
+
 def paired_speedup(ratios: Sequence[float]) -> PairedSpeedup | None:
-    """The speedup and its 95% interval from per-round ratios (None for fewer than 2)."""
+    """The speedup and its 95% interval from per-round ratios, in round order (None for
+    fewer than 2). See the module docstring for the blocks."""
     if len(ratios) < 2:
         return None
     logs = [math.log(r) for r in ratios]
+    n = len(logs)
     mean = fmean(logs)
-    margin = t_975(len(logs) - 1) * stdev(logs) / math.sqrt(len(logs))
+    variance = stdev(logs) ** 2 / n  # of the mean, rounds independent
+    degrees = n - 1
+    blocks = [logs[i : i + BLOCK_ROUNDS] for i in range(0, n, BLOCK_ROUNDS)]
+    disagree = False
+    if len(blocks) >= 2 and n > len(blocks):
+        between, disagree = _between_blocks(blocks)
+        if between is not None:
+            variance = max(variance, between)
+        if disagree:
+            degrees = len(blocks) - 1  # the blocks, not the rounds, are the independent units
+    margin = t_975(degrees) * math.sqrt(variance)
     return PairedSpeedup(
-        math.exp(mean), math.exp(mean - margin), math.exp(mean + margin), len(ratios)
+        math.exp(mean),
+        math.exp(mean - margin),
+        math.exp(mean + margin),
+        n,
+        blocks_disagree=disagree,
     )
+
+
+def _between_blocks(blocks: Sequence[Sequence[float]]) -> tuple[float | None, bool]:
+    """For log ratios in ``blocks`` (at least two, more values than blocks): the variance of
+    their mean under a random-effects model (DerSimonian-Laird: each block's true ratio
+    varies around the overall one by ``tau^2``, the rounds within a block around their
+    block's), None when it finds no variation between blocks; and whether the blocks
+    disagree (Cochran's Q above its chi-square 0.95 quantile)."""
+    n = sum(len(b) for b in blocks)
+    k = len(blocks)
+    means = [fmean(b) for b in blocks]
+    overall = fmean(x for b in blocks for x in b)
+    within = sum((x - m) ** 2 for b, m in zip(blocks, means, strict=True) for x in b) / (n - k)
+    spread = sum(len(b) * (m - overall) ** 2 for b, m in zip(blocks, means, strict=True))
+    if within <= 0:  # no noise inside the blocks: any difference between them is real
+        if spread <= 0:
+            return None, False
+        tau2 = spread / n
+        return sum((len(b) / n) ** 2 * tau2 for b in blocks), True
+    q = spread / within
+    weights = [len(b) / within for b in blocks]
+    scale = sum(weights) - sum(w * w for w in weights) / sum(weights)
+    tau2 = max(0.0, (q - (k - 1)) / scale)
+    disagree = q > chi2_95(k - 1)
+    if tau2 == 0:
+        return None, disagree
+    # The plain mean weighs every round alike; its variance under the model:
+    return sum((len(b) / n) ** 2 * (within / len(b) + tau2) for b in blocks), disagree
 
 
 @dataclass(frozen=True)
@@ -164,27 +246,42 @@ class Rounds:
             if number < before
         )
 
+    def between(self, a: LoaderParams, b: LoaderParams, before: int | None = None) -> list[float]:
+        """Per round (before round ``before``): ``a`` / ``b``, where both measured."""
+        out = []
+        for number, values in sorted(self.measured.items()):
+            if before is not None and number >= before:
+                break
+            mine, theirs = values.get(a), values.get(b)
+            if mine and theirs:
+                out.append(mine / theirs)
+        return out
+
     def active(self, round_: int, min_rounds: int) -> list[LoaderParams]:
         """The settings round ``round_`` measures: the baseline and every candidate that has
-        not left. A candidate leaves, for good, when its trial failed `MAX_FAILURES` times,
-        or when after a round its interval (once it was measured in ``min_rounds``) lies
-        wholly below the leader's; judged round by round on the rounds before each."""
+        not left (a race, judged round by round on the rounds before each). A candidate
+        leaves, for good, when its trial failed `MAX_FAILURES` times, or once it was
+        measured in ``min_rounds``: when it is surely no faster than the baseline (its
+        interval lies below 1), or surely slower than the leader (the interval of its
+        per-round ratios to the leader's, paired by round, lies below 1)."""
         gone: set[LoaderParams] = set()
         for number in range(round_ + 1):
             speedups = self.speedups(before=number)
-            leader = max(speedups.values(), key=preference, default=None)
+            leader = max(speedups, key=lambda p: preference(speedups[p]), default=None)
             for params in self.settings:
-                mine = speedups.get(params)
-                if self.failures(params, number) >= MAX_FAILURES or (
-                    leader is not None
-                    and mine is not None
-                    and mine is not leader
-                    and mine.rounds >= min_rounds
-                    and mine.high < leader.low
-                ):
+                if self.failures(params, number) >= MAX_FAILURES:
                     gone.add(params)
-        if self.baseline in gone:
-            return []
+                mine = speedups.get(params)
+                if mine is None or mine.rounds < min_rounds:
+                    continue
+                if mine.high < 1.0:
+                    gone.add(params)
+                elif leader is not None and params != leader:
+                    versus = paired_speedup(self.between(params, leader, before=number))
+                    if versus is not None and versus.high < 1.0:
+                        gone.add(params)
+        if self.baseline in gone or all(p in gone for p in self.candidates):
+            return []  # nothing left to pair: the rounds are over
         return [p for p in self.settings if p not in gone]
 
     def order(self, round_: int, min_rounds: int) -> list[LoaderParams]:
@@ -327,17 +424,24 @@ def rounds_owner(
 
 def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
     """Whether the rounds before ``next_round`` are enough: every candidate still in them
-    was measured in at least ``min_rounds``, and the leader's interval is within
-    ``half_width`` or the leader was measured in ``max_rounds`` (the cap)."""
+    was measured in at least ``min_rounds``, and the leader was measured in ``max_rounds``
+    (the cap), or its blocks agree and it is decided: surely faster than the baseline, or
+    its interval within ``half_width``. No candidate left in the race: nothing to decide."""
     active = rounds.active(next_round, confirm.min_rounds)
     if not active:
         return True  # the baseline failed: nothing to pair with
     counts = {p: len(rounds.ratios(p)) for p in active if p != rounds.baseline}
+    if not counts:
+        return True  # every candidate left: none is faster than the baseline
     if any(n < confirm.min_rounds for n in counts.values()):
         return False
     speedups = rounds.speedups()
     leader = max((speedups[p] for p in counts), key=preference)
-    return leader.rounds >= confirm.max_rounds or leader.half_width <= confirm.half_width
+    if leader.rounds >= confirm.max_rounds:
+        return True
+    if leader.blocks_disagree:
+        return False  # the machine's state moved during the rounds: more blocks
+    return leader.verdict == FASTER or leader.half_width <= confirm.half_width
 
 
 def _searched_since(trials: Sequence[FrozenTrial], hardware_class: str | None) -> bool:
