@@ -43,7 +43,7 @@ def test_one_worker_is_the_bottleneck_and_more_of_them_lift_it() -> None:
     # Two workers could pass 18,182/s; the step on 2 threads (10 us + 125 us) allows 7,407/s;
     # the 4 CPUs allow 4 / (110 + 10 + 2 * 125 us) = 10,811/s.
     assert two.throughput == pytest.approx(1 / (10e-6 + 1 / 8_000))
-    assert two.bottleneck == "device"
+    assert two.bottleneck == "cpus"  # the step, on the CPUs the loading shares: no device
     assert two.bounds["cpus"] == pytest.approx(4 / (120e-6 + 2 / 8_000))
 
 
@@ -54,7 +54,7 @@ def test_the_cpus_bound_a_pipeline_that_asks_for_more_than_there_are() -> None:
     # step runs at the 1-thread ceiling (200 us) while all 4 spin: 110 + 10 + 4 x 200 us of
     # CPU per sample.
     assert prediction.throughput == pytest.approx(2 / (120e-6 + 4 / 5_000))
-    assert prediction.bottleneck == "device"  # the 4 threads' 800 us is the largest share
+    assert prediction.bottleneck == "cpus"  # the 4 threads' 800 us is the largest share
 
 
 def test_threads_beside_busy_workers_train_no_faster_than_one() -> None:

@@ -305,6 +305,9 @@ def test_html_is_self_contained(real_study: tuple[str, optuna.Study], tmp_path: 
     for plot_id in PLOT_IDS:
         assert f'id="{plot_id}"' in page
     assert "DataLoader(" in page and "speedup" in page.lower()
+    # The captions' code spans are rendered, never shown as literal tags.
+    assert "as in <code>best</code> and <code>studies</code>" in rest
+    assert "&lt;code&gt;" not in rest
 
 
 def test_render_survives_a_study_without_results(tmp_path: Path) -> None:

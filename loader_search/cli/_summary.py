@@ -42,6 +42,8 @@ BOTTLENECK_TEXT = {
     "device": "the training step itself (the device)",
     "loader_workers": "the loader workers' CPU",
     "main_process": "the training process receiving and copying batches",
+    "cpus": "the CPUs, which the training step and the loading share (no accelerator: more"
+    " cores, a cheaper step or cheaper loading lift it)",
 }
 
 

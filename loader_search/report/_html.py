@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 
 from plotly.offline import get_plotlyjs
 
@@ -111,9 +112,15 @@ def render(data: ReportData) -> str:
 
 def _section(title: str, note: str, figure: str) -> str:
     return (
-        f'<section><h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>'
+        f'<section><h2>{html.escape(title)}</h2><p class="note">{_note_html(note)}</p>'
         f'<div class="plot">{figure}</div></section>'
     )
+
+
+def _note_html(text: str) -> str:
+    """A plain-text note as HTML: escaped, with `backticked` spans (commands, names) shown
+    as code."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
 def _header(data: ReportData) -> str:
@@ -183,10 +190,10 @@ def _pareto_note(data: ReportData) -> str:
     n = len(data.summary.pareto)
     unplotted = sum(t.status in ("infeasible", "failed") for t in data.trials)
     note = (
-        f"{n} Pareto-optimal setting(s): as in <code>best</code> and <code>studies</code>, the"
+        f"{n} Pareto-optimal setting(s): as in `best` and `studies`, the"
         " trials that ran one setting are one point at the median of their readings (the faint"
-        " dots are the single readings). Optuna's own views (optuna-dashboard, <code>optuna"
-        " best-trials</code>) compute the front over raw trials, repeats not merged:"
+        " dots are the single readings). Optuna's own views (optuna-dashboard, `optuna"
+        " best-trials`) compute the front over raw trials, repeats not merged:"
         f" {data.optuna_front_trials} trial(s) there. Dominated settings in grey; the baseline"
         " boxed, the recommendation starred."
     )

@@ -12,7 +12,9 @@ throughput is at most the smallest of these bounds:
 * **main process**: receiving a batch from the workers and copying it to the device, in series
   with the step when the step runs on the CPU;
 * **CPUs**: all of it shares the usable CPUs, ``cpus / (every CPU demand per sample)``; on the CPU
-  the step itself demands ``torch_threads / ceiling``.
+  the step itself demands ``torch_threads / ceiling``. Without an accelerator the step is no
+  separate device: where the training step bounds a CPU-only pipeline, the bottleneck is named
+  ``cpus`` (the CPUs, shared by training and loading), not ``device``.
 
 With no workers the training process does everything in turn: ``1 / (sum of demands)``.
 
@@ -34,8 +36,11 @@ from typing import Any, Literal
 from loader_search.params import LoaderParams
 from loader_search.study._space import IntRange, ResolvedSpace, default_torch_threads
 
-Bottleneck = Literal["device", "loader_workers", "main_process"]
-BOTTLENECKS: tuple[Bottleneck, ...] = ("device", "loader_workers", "main_process")
+Bottleneck = Literal["device", "loader_workers", "main_process", "cpus"]
+# "cpus": on a machine without an accelerator, where "device" would be named: the training
+# step runs on the very CPUs the loading needs, so it is no separate device that bounds the
+# pipeline but the CPUs, shared by both (more cores, a cheaper step or cheaper loading lift it).
+BOTTLENECKS: tuple[Bottleneck, ...] = ("device", "loader_workers", "main_process", "cpus")
 # A ceiling taken from another thread count scales by (threads ratio) ** this: intra-op
 # parallelism of a small model is far from linear.
 THREAD_SCALING = 0.6
@@ -189,6 +194,8 @@ class PipelineModel:
                     }
                 )
             bounds["cpus"] = cpu_bound
+        if self.device == "cpu" and bottleneck == "device":
+            bottleneck = "cpus"  # the step shares the CPUs with loading (see BOTTLENECKS)
         calibration = self.calibration_workers if params.num_workers else self.calibration_inline
         return Prediction(params, raw * calibration, bottleneck, bounds, extrapolated)
 

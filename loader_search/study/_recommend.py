@@ -19,16 +19,32 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.trial import FrozenTrial
 
 from loader_search.params import LoaderParams, dataloader_snippet
-from loader_search.study._confirm import PairedSpeedup, paired_speedups, preference
+from loader_search.study._confirm import (
+    FASTER,
+    NO_RELIABLE_GAIN,
+    PairedSpeedup,
+    paired_speedups,
+    preference,
+)
 from loader_search.study._keys import HARDWARE_CLASS_ATTR, PIPELINE_ATTR
 from loader_search.study._pipeline import PipelineModel
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
+
+RecommendationVerdict = Literal["faster", "no_reliable_gain", "not_confirmed"]
+NOT_CONFIRMED: RecommendationVerdict = "not_confirmed"
+VERDICTS: tuple[RecommendationVerdict, ...] = (
+    FASTER,  # confirmed in paired rounds: the 95% interval of the speedup lies above 1
+    NO_RELIABLE_GAIN,  # keep the baseline: no candidate read faster than it, or none was
+    # surely faster in the paired rounds (then the best one's figures are given)
+    NOT_CONFIRMED,  # a faster reading, not yet confirmed: the study is still searching,
+    # or it runs with confirm_top = 0
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,11 @@ class Recommendation:
             f"95% CI {self.paired.low:.2f}-{self.paired.high:.2f}, paired over"
             f" {self.paired.rounds} rounds"
         )
+        if self.paired.blocks_disagree:
+            interval += (
+                "; warning: its blocks of rounds disagree, the machine's state changed during"
+                " them, so a rerun may well differ"
+            )
         if self.paired.verdict == "faster":
             return f"{self.speedup_vs_baseline:.2f}x the baseline ({interval})"
         return (
@@ -94,9 +115,13 @@ class Recommendation:
         )
 
     @property
-    def verdict(self) -> str | None:
-        """ "faster", "no_reliable_gain", or None before the confirmation rounds."""
-        return self.paired.verdict if self.paired else None
+    def verdict(self) -> RecommendationVerdict:
+        """How sure the recommendation is, always one of `VERDICTS` (see its comments)."""
+        if self.paired is not None:
+            return self.paired.verdict
+        if self.point.is_baseline:
+            return NO_RELIABLE_GAIN  # no candidate read faster: there was nothing to confirm
+        return NOT_CONFIRMED
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +130,7 @@ class Recommendation:
             "speedup_ci95": [self.paired.low, self.paired.high] if self.paired else None,
             "verdict": self.verdict,
             "confirmation_rounds": self.paired.rounds if self.paired else 0,
+            "blocks_disagree": self.paired.blocks_disagree if self.paired else None,
             "val_loss_change_vs_baseline": self.val_loss_change_vs_baseline,
             "rule": self.rule,
             "snippet": self.snippet,
