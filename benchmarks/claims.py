@@ -5,10 +5,11 @@ For each seed: a real study with the service's defaults (the quickstart config, 
 file, that seed), which ends with its paired confirmation rounds and states the recommendation's
 speedup over the baseline with a 95% interval (`loader_search.study._confirm`). Then, once the
 study is done, the baseline and the recommendation side by side: ``rounds`` paired rounds of
-real trials through the service's trial code, each round both settings in alternating order,
-stopped at the early-stop mark as the confirmation trials are (the same throughput window as
-every trial). The side-by-side speedup is the geometric mean of the per-round ratios, with
-its own 95% interval.
+the reference loop (`benchmarks.reference`: a plain training loop, a fresh process per
+reading, sharing no code with the service's trial runner, so a bias of the runner cannot hide
+in both sides), each round both settings in alternating order. The side-by-side speedup is
+the geometric mean of the per-round ratios, with its own 95% interval. Also per study: the
+confirmation rounds' share of the time its trials took.
 
 Figures: per study, the claim, its interval, the side-by-side speedup, the claim error
 (claim / side-by-side - 1) and whether the claimed interval covers the side-by-side estimate;
@@ -25,19 +26,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ground_truth import QUICKSTART, measure, quick_config
+import optuna
+
+from benchmarks import reference
+from benchmarks.ground_truth import QUICKSTART, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._confirm import paired_speedup
+from loader_search.study._keys import is_confirmation
 from loader_search.study._session import run_study
-from loader_search.workloads import load_workload
 
 
 def side_by_side(
-    config: StudyConfig, baseline: LoaderParams, candidate: LoaderParams, rounds: int
+    config_path: Path,
+    config: StudyConfig,
+    baseline: LoaderParams,
+    candidate: LoaderParams,
+    rounds: int,
+    window: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """``rounds`` paired rounds of the two settings (alternating which goes first)."""
-    workload = load_workload(config.workload, config.workload_options)
+    """``rounds`` paired rounds of the two settings through the reference loop
+    (`benchmarks.reference`: a plain training loop in a fresh process, no code of the trial
+    runner), alternating which goes first."""
     ratios = []
     readings: dict[str, list[float]] = {"baseline": [], "recommended": []}
     for round_ in range(rounds):
@@ -46,11 +56,11 @@ def side_by_side(
             order.reverse()
         measured = {}
         for name, params in order:
-            row = measure(workload, config, params, ceiling=False, stop_early=True)
-            if "throughput" not in row:
-                raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
-            measured[name] = row["throughput"]
-            readings[name].append(row["throughput"])
+            value = reference.reading(
+                config_path, params.as_dict(), config.workload_options, **(window or {})
+            )
+            measured[name] = value["throughput"]
+            readings[name].append(value["throughput"])
         ratios.append(measured["recommended"] / measured["baseline"])
     speedup = paired_speedup(ratios)
     assert speedup is not None, "at least 2 rounds"
@@ -62,12 +72,34 @@ def side_by_side(
     }
 
 
-def one_study(config: StudyConfig, seed: int, rounds: int, folder: Path) -> dict[str, Any]:
+def confirmation_share(storage: str, name: str) -> dict[str, float]:
+    """The confirmation rounds' share of the time the study's trials took."""
+    study = optuna.load_study(study_name=name, storage=storage)
+    total = confirming = 0.0
+    for trial in study.get_trials(deepcopy=False):
+        if trial.datetime_start is None or trial.datetime_complete is None:
+            continue
+        took = (trial.datetime_complete - trial.datetime_start).total_seconds()
+        total += took
+        if is_confirmation(trial):
+            confirming += took
+    return {"trials_s": total, "confirmation_s": confirming, "share": confirming / total}
+
+
+def one_study(
+    config_path: Path,
+    config: StudyConfig,
+    seed: int,
+    rounds: int,
+    folder: Path,
+    window: dict[str, int] | None = None,
+) -> dict[str, Any]:
     config = replace(config, seed=seed, name=f"claims-{seed}")
     db = folder / f"claims-{seed}.db"
     db.unlink(missing_ok=True)
     started = time.perf_counter()
-    summary = run_study(config, storage=f"sqlite:///{db}")
+    storage = f"sqlite:///{db}"
+    summary = run_study(config, storage=storage, quiet=True)
     study_s = time.perf_counter() - started
     rec, base = summary.recommended, summary.baseline
     if rec is None or base is None:
@@ -81,6 +113,8 @@ def one_study(config: StudyConfig, seed: int, rounds: int, folder: Path) -> dict
         "verdict": rec.verdict,
         "confirmation_rounds": rec.paired.rounds if rec.paired else 0,
         "trials": summary.n_complete,
+        "confirmation": confirmation_share(storage, str(config.name)),
+        "blocks_disagree": rec.paired.blocks_disagree if rec.paired else None,
         # The baseline's first reading (the study's first trial, in a fresh worker) against
         # the median of its later readings: how far off a first reading is.
         "baseline_first_vs_later": _first_vs_later(base.measurements),
@@ -88,7 +122,7 @@ def one_study(config: StudyConfig, seed: int, rounds: int, folder: Path) -> dict
     if rec.point.params == base.params:  # nothing beat the baseline: no speedup to check
         return {**result, "side_by_side": None, "claim_error": None, "covered": None}
     started = time.perf_counter()
-    measured = side_by_side(config, base.params, rec.point.params, rounds)
+    measured = side_by_side(config_path, config, base.params, rec.point.params, rounds, window)
     truth = measured["speedup"]
     low, high = result["claim_ci95"] or (None, None)
     return {
@@ -116,14 +150,16 @@ def run(
     log: Any = print,
 ) -> dict[str, Any]:
     config = load_config(config_path)
+    window = None
     if quick:
         config = replace(quick_config(config), trials=6, confirm_max_rounds=3)
+        window = {"warmup": 2, "windows": 2, "window_batches": 4}
         studies, rounds = 2, 2
     folder = Path(workdir or tempfile.mkdtemp(prefix="loader-search-claims-"))
     folder.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in range(studies):
-        results.append(one_study(config, seed, rounds, folder))
+        results.append(one_study(config_path, config, seed, rounds, folder, window))
         r = results[-1]
         truth = r["side_by_side"]["speedup"] if r["side_by_side"] else None
         log(
@@ -143,4 +179,7 @@ def run(
         "covered": sum(bool(r["covered"]) for r in with_interval),
         "with_interval": len(with_interval),
         "baseline_first_vs_later": [r["baseline_first_vs_later"] for r in results],
+        "median_confirmation_share": statistics.median(
+            r["confirmation"]["share"] for r in results
+        ),
     }

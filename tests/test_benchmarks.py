@@ -51,6 +51,7 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
         "## Search quality",
         "## Speedup and cost",
         "## Claimed speedup against side by side",
+        "## The trial runner against a plain loop",
     ):
         assert heading in report
 
@@ -141,6 +142,20 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
         if study["claim_ci95"] is not None:
             low, high = study["claim_ci95"]
             assert study["covered"] == (low <= measured["speedup"] <= high)
+        share = study["confirmation"]
+        assert 0 <= share["confirmation_s"] <= share["trials_s"] and 0 <= share["share"] <= 1
+
+    # Agreement: the trial runner and the reference loop, each setting by both, every round.
+    agreement = results["agreement"]
+    assert agreement["rounds"] == 2
+    for method in ("runner", "reference"):
+        assert all(len(v) == 2 and min(v) > 0 for v in agreement["readings"][method].values())
+    for row in agreement["settings"]:
+        runner = agreement["readings"]["runner"][row["setting"]]
+        reference = agreement["readings"]["reference"][row["setting"]]
+        assert row["runner_over_reference"] == pytest.approx(
+            statistics.median(a / b for a, b in zip(runner, reference, strict=True))
+        )
 
     # Speedup: a real study, then three loaders side by side with their ceilings.
     speedup = results["speedup"]

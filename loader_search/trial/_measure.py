@@ -132,9 +132,9 @@ class PeakRSS:
     be cheap: on Linux it reads the process tree from ``/proc/PID/task/TID/children`` and each
     process's ``statm`` (~90 us for a trial and its workers here). ``psutil``'s
     ``children()`` scans every process of the machine instead (~3.5 ms here: 7% of a core at
-    this interval, taken from a ``num_workers=0`` trial's training thread, which made its
-    readings ~5% low against a plain loop; see benchmarks/RESULTS.md); it remains the fallback
-    where ``/proc`` lacks the children files.
+    this interval, GIL held, taken from the training thread of a ``num_workers=0`` trial,
+    where loading and training share it; see benchmarks/RESULTS.md, issue 27); it remains the
+    fallback where ``/proc`` lacks the children files.
     """
 
     def __init__(self, interval_s: float = 0.05) -> None:
