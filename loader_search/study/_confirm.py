@@ -222,14 +222,9 @@ class Rounds:
 
     def ratios(self, candidate: LoaderParams, before: int | None = None) -> list[float]:
         """Per round (before round ``before``): candidate / baseline, where both measured."""
-        out = []
-        for number, values in sorted(self.measured.items()):
-            if before is not None and number >= before:
-                break
-            mine, base = values.get(candidate), values.get(self.baseline)  # type: ignore[arg-type]
-            if mine and base:
-                out.append(mine / base)
-        return out
+        if self.baseline is None:
+            return []
+        return self.between(candidate, self.baseline, before)
 
     def speedups(self, before: int | None = None) -> dict[LoaderParams, PairedSpeedup]:
         found = {}
