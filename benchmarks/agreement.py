@@ -59,7 +59,7 @@ def run(
     }
     if quick:
         config = quick_config(config)
-        rounds, window = 2, {"warmup": 2, "windows": 2, "window_batches": 4}
+        rounds, window = 2, dict(reference.QUICK_WINDOW)
         settings = {name: replace(p, batch_size=32) for name, p in settings.items()}
     workload = load_workload(config.workload, config.workload_options)
     rng = random.Random(seed)

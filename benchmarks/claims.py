@@ -153,7 +153,7 @@ def run(
     window = None
     if quick:
         config = replace(quick_config(config), trials=6, confirm_max_rounds=3)
-        window = {"warmup": 2, "windows": 2, "window_batches": 4}
+        window = dict(reference.QUICK_WINDOW)
         studies, rounds = 2, 2
     folder = Path(workdir or tempfile.mkdtemp(prefix="loader-search-claims-"))
     folder.mkdir(parents=True, exist_ok=True)

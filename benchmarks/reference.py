@@ -36,6 +36,8 @@ from typing import Any
 WARMUP_BATCHES = 10
 WINDOWS = 3
 WINDOW_BATCHES = 40
+# For --quick runs of the benchmarks: checks the code path, not timings.
+QUICK_WINDOW = {"warmup": 2, "windows": 2, "window_batches": 4}
 TIMEOUT_S = 600  # one reading; a hung loader fails the benchmark instead of stalling it
 ROOT = Path(__file__).resolve().parent.parent
 
