@@ -92,6 +92,7 @@ _CHI2_95 = {
     9: 16.919, 10: 18.307,
 }  # fmt: skip
 BLOCK_ROUNDS = 2  # consecutive rounds per block (see the module docstring)
+RACE_ROUNDS = 1  # rounds of every candidate before the race chooses its leader
 
 
 def t_975(degrees: int) -> float:
@@ -252,29 +253,65 @@ class Rounds:
                 out.append(mine / theirs)
         return out
 
+    def fresh(self, candidate: LoaderParams, before: int | None = None) -> list[float]:
+        """Per round (before round ``before``): candidate / baseline, in the rounds that
+        measured nothing else (after the race, or with one candidate from the start): rounds
+        its choice as the leader did not depend on."""
+        if self.baseline is None:
+            return []
+        alone = {self.baseline, candidate}
+        kept = {n: v for n, v in self.measured.items() if set(v) == alone}
+        return Rounds(self.baseline, (candidate,), kept).ratios(candidate, before)
+
+    def claims(self) -> dict[LoaderParams, PairedSpeedup]:
+        """The speedups to state: from the rounds after the race (`fresh`), so that neither
+        the choice of the leader nor the race's stop favours it; the race's own figures
+        only where no candidate has two such rounds (a study stopped during the race, or
+        one stored by an older version)."""
+        found = {}
+        for candidate in self.candidates:
+            speedup = paired_speedup(self.fresh(candidate))
+            if speedup is not None:
+                found[candidate] = speedup
+        return found or self.speedups()
+
+    def _together(
+        self, candidates: Sequence[LoaderParams], before: int
+    ) -> list[dict[LoaderParams, float]]:
+        """Per round before ``before`` that measured the baseline and all ``candidates``:
+        each one's ratio to the baseline (the race's rounds, paired by round)."""
+        out = []
+        for number, values in sorted(self.measured.items()):
+            if number >= before:
+                break
+            base = values.get(self.baseline) if self.baseline else None
+            mine = {p: values.get(p) for p in candidates}
+            if base and all(mine.values()):
+                out.append({p: v / base for p, v in mine.items() if v})
+        return out
+
     def active(self, round_: int, min_rounds: int) -> list[LoaderParams]:
         """The settings round ``round_`` measures: the baseline and every candidate that has
-        not left (a race, judged round by round on the rounds before each). A candidate
-        leaves, for good, when its trial failed `MAX_FAILURES` times, or once it was
-        measured in ``min_rounds``: when it is surely no faster than the baseline (its
-        interval lies below 1), or surely slower than the leader (the interval of its
-        per-round ratios to the leader's, paired by round, lies below 1)."""
+        not left (judged round by round on the rounds before each). A candidate leaves, for
+        good, when its trial failed `MAX_FAILURES` times; once it was measured in
+        ``min_rounds``, when it is surely no faster than the baseline (its interval lies
+        below 1); and when the race ends, unless it leads it. The race ends once
+        `RACE_ROUNDS` rounds measured the baseline and every candidate still in it; its
+        leader has the highest geometric-mean ratio to the baseline over those rounds."""
         gone: set[LoaderParams] = set()
         for number in range(round_ + 1):
             speedups = self.speedups(before=number)
-            leader = max(speedups, key=lambda p: preference(speedups[p]), default=None)
             for params in self.settings:
                 if self.failures(params, number) >= MAX_FAILURES:
                     gone.add(params)
                 mine = speedups.get(params)
-                if mine is None or mine.rounds < min_rounds:
-                    continue
-                if mine.high < 1.0:
+                if mine is not None and mine.rounds >= min_rounds and mine.high < 1.0:
                     gone.add(params)
-                elif leader is not None and params != leader:
-                    versus = paired_speedup(self.between(params, leader, before=number))
-                    if versus is not None and versus.high < 1.0:
-                        gone.add(params)
+            racing = [p for p in self.candidates if p not in gone]
+            together = self._together(racing, before=number)
+            if len(racing) > 1 and len(together) >= RACE_ROUNDS:
+                leader = max(racing, key=lambda p: fmean(math.log(r[p]) for r in together))
+                gone.update(p for p in racing if p != leader)
         if self.baseline in gone or all(p in gone for p in self.candidates):
             return []  # nothing left to pair: the rounds are over
         return [p for p in self.settings if p not in gone]
@@ -329,11 +366,11 @@ def _disturbed(trial: FrozenTrial) -> bool:
 def paired_speedups(
     trials: Sequence[FrozenTrial], baseline: LoaderParams, hardware_class: str | None = None
 ) -> dict[LoaderParams, PairedSpeedup]:
-    """Every setting's speedup over ``baseline`` from the rounds run so far (settings
-    measured in fewer than 2 rounds beside it have none)."""
+    """The speedups over ``baseline`` to state from the rounds run so far (`Rounds.claims`:
+    settings measured in fewer than 2 rounds beside it have none)."""
     measured = measured_rounds(trials, hardware_class)
     settings = {p for values in measured.values() for p in values if p != baseline}
-    return Rounds(baseline, tuple(settings), measured).speedups()
+    return Rounds(baseline, tuple(settings), measured).claims()
 
 
 def rounds_of(
@@ -418,25 +455,26 @@ def rounds_owner(
 
 
 def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
-    """Whether the rounds before ``next_round`` are enough: every candidate still in them
-    was measured in at least ``min_rounds``, and the leader was measured in ``max_rounds``
-    (the cap), or its blocks agree and it is decided: surely faster than the baseline, or
-    its interval within ``half_width``. No candidate left in the race: nothing to decide."""
+    """Whether the rounds before ``next_round`` are enough: the race is over (one candidate
+    left), the leader was measured alone beside the baseline in at least ``min_rounds``
+    rounds (`Rounds.fresh`), and it was measured in ``max_rounds`` (the cap), or those
+    rounds' blocks agree and decide it: surely faster than the baseline, or its interval
+    within ``half_width``. No candidate left: nothing to decide."""
     active = rounds.active(next_round, confirm.min_rounds)
-    if not active:
-        return True  # the baseline failed: nothing to pair with
-    counts = {p: len(rounds.ratios(p)) for p in active if p != rounds.baseline}
-    if not counts:
-        return True  # every candidate left: none is faster than the baseline
-    if any(n < confirm.min_rounds for n in counts.values()):
+    racing = [p for p in active if p != rounds.baseline]
+    if not racing:
+        return True  # the baseline failed, or every candidate left
+    if len(racing) > 1:
+        return False  # the race is still on
+    (leader,) = racing
+    fresh = paired_speedup(fresh_ratios := rounds.fresh(leader))
+    if fresh is None or len(fresh_ratios) < confirm.min_rounds:
         return False
-    speedups = rounds.speedups()
-    leader = max((speedups[p] for p in counts), key=preference)
-    if leader.rounds >= confirm.max_rounds:
+    if len(rounds.ratios(leader)) >= confirm.max_rounds:
         return True
-    if leader.blocks_disagree:
+    if fresh.blocks_disagree:
         return False  # the machine's state moved during the rounds: more blocks
-    return leader.verdict == FASTER or leader.half_width <= confirm.half_width
+    return fresh.verdict == FASTER or fresh.half_width <= confirm.half_width
 
 
 def _searched_since(trials: Sequence[FrozenTrial], hardware_class: str | None) -> bool:
