@@ -22,18 +22,21 @@ independent units (Student's t with blocks - 1 degrees of freedom), the speedup 
 What it covers: the changes of state the rounds saw. What it cannot cover: a state they never
 saw (a rerun on a machine quieter or busier than it was during the whole study).
 
-**A race.** The rounds spend their trials where the decision is still open, as F-race and
-SMAC's intensification do: once measured in ``min_rounds``, a candidate leaves for good when
-it is surely no faster than the baseline (its interval lies below 1) or surely slower than the
-leader (the interval of its per-round ratios to the leader's, paired by round so that the
-round's state cancels, lies below 1), or when its trial failed `MAX_FAILURES` times. The
-rounds stop once every candidate still in them was measured in ``min_rounds`` and the leader
-is decided (surely faster than the baseline, its blocks agreeing), or its interval is within
-``half_width`` of its estimate, or it was measured in ``max_rounds``; or when no candidate is
-left. The leader, here as in the recommendation (`preference`), is a candidate surely faster
-than the baseline before one that may not be, then the one with the higher estimate. Its
-interval is not widened for having been chosen among up to ``top`` candidates: the benchmarks
-measure how often it covers a plain training loop's ratio (``python -m benchmarks claims``).
+**A race, then the leader alone.** The first `RACE_ROUNDS` rounds measure the baseline and
+every candidate; the race's leader is the candidate with the highest geometric-mean ratio to
+the baseline over them, and the others leave. The leader then runs alone beside the baseline,
+and its stated speedup (`Rounds.claims`) comes only from those later rounds (`Rounds.fresh`):
+a leader chosen as the best of several noisy readings looks better on them than it is (the
+winner's curse), so the rounds that chose it never count in its claim. A candidate with no
+rival has no race: all its rounds count. A candidate also leaves when its trial failed
+`MAX_FAILURES` times, or once measured in ``min_rounds`` when it is surely no faster than the
+baseline (its interval over all its rounds lies below 1). The rounds stop once the leader was
+measured alone in ``min_rounds`` rounds and it was measured in ``max_rounds`` (the cap, the
+race's rounds included), or those rounds' blocks agree and decide it (surely faster than the
+baseline, or its interval within ``half_width`` of its estimate); or when no candidate is
+left. Stopping once the interval clears 1 still favours an early high estimate a little when
+the speedup lies near 1: ``python -m benchmarks.selection`` measures both effects on
+simulated readings, ``python -m benchmarks claims`` against a plain training loop.
 A reading taken while other processes kept more than `DISTURBED_LOAD` of the trial's CPUs busy
 (``other_load``, measured over its window) is not a fair one: it is measured again, up to
 `MAX_DISTURBED` times per slot, then taken as it is (a machine that is always busy still ends

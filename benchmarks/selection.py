@@ -1,0 +1,128 @@
+"""The confirmation rounds on simulated readings: how far the stated speedup is from the truth.
+
+``python -m benchmarks.selection [--studies 300]`` runs the study's own round logic
+(`next_remeasure`, `summarize_trials`) on in-memory Optuna studies whose readings are drawn
+from known speeds: a shared drift per round (log-normal, 10%) times each reading's own noise.
+Two candidates, true speedups given per case. It prints, per case and noise level, the median
+and mean of stated / true speedup for the claim as stated (the leader's rounds after the race,
+`Rounds.claims`) and for the same studies' claim from every round of the leader (the race's
+round included, `Rounds.speedups`), how often each interval covers the truth, how often the
+leader is truly the fastest, and the trials the rounds took. Nothing is timed: no machine
+noise, only the statistics of the rule (issue 27's winner's curse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import optuna
+from optuna.distributions import IntDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from loader_search.params import LoaderParams
+from loader_search.study._confirm import ConfirmSettings, PairedSpeedup, next_remeasure, rounds_of
+from loader_search.study._keys import (
+    BASELINE_ATTR,
+    CONFIRM_ROUND_ATTR,
+    CONFIRMATION_ATTR,
+    PARAMS_ATTR,
+)
+
+BASE = LoaderParams(64, 0, torch_threads=2)
+A = LoaderParams(64, 2, 2, False, True, 1)
+B = LoaderParams(64, 1, 2, False, True, 1)
+SETTINGS = ConfirmSettings(
+    top=2, min_rounds=3, max_rounds=15, half_width=0.05, loss_tolerance=0.05
+)
+CASES = {"equal": (1.3, 1.3), "close": (1.3, 1.2), "apart": (1.3, 0.9)}
+NOISE = (0.08, 0.15)  # each reading's own log-normal noise
+
+
+def _trial(number: int, params: LoaderParams, value: float, **attrs: object) -> FrozenTrial:
+    trial = optuna.trial.create_trial(
+        state=TrialState.COMPLETE,
+        params={"num_workers": params.num_workers},
+        distributions={"num_workers": IntDistribution(0, 3)},
+        values=[value, 1.0],
+        user_attrs={PARAMS_ATTR: params.as_dict(), **attrs},
+    )
+    trial.number = number
+    return trial
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One simulated study's rounds: the leader, both of its claims, the trials they took."""
+
+    leader: LoaderParams
+    stated: PairedSpeedup  # from the rounds after the race (what the study states)
+    every: PairedSpeedup  # from all the leader's rounds, the race's included
+    trials: int
+
+
+def one_study(seed: int, speeds: dict[LoaderParams, float], noise: float) -> Outcome:
+    """The rounds of one simulated study."""
+    rng = random.Random(seed)
+    trials = [
+        _trial(0, BASE, 100.0, **{BASELINE_ATTR: True}),
+        _trial(1, A, 150.0),
+        _trial(2, B, 140.0),
+    ]
+    drift: dict[int, float] = {}
+    asked = 0
+    while (step := next_remeasure(trials, SETTINGS)) is not None:
+        asked += 1
+        shared = drift.setdefault(step.round, rng.lognormvariate(0, 0.1))
+        value = 100.0 * speeds[step.params] * shared * rng.lognormvariate(0, noise)
+        attrs = {CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: step.round}
+        trials.append(_trial(len(trials), step.params, value, **attrs))
+    rounds = rounds_of(trials, SETTINGS)
+    stated = rounds.claims()
+    leader = max(stated, key=lambda p: (stated[p].low > 1, stated[p].estimate))
+    return Outcome(leader, stated[leader], rounds.speedups()[leader], asked)
+
+
+def _row(
+    name: str, noise: float, results: list[Outcome], speeds: dict[LoaderParams, float]
+) -> str:
+    def summary(claim: Callable[[Outcome], PairedSpeedup]) -> str:
+        errors = [claim(r).estimate / speeds[r.leader] for r in results]
+        covers = [claim(r).low <= speeds[r.leader] <= claim(r).high for r in results]
+        return (
+            f"{statistics.median(errors):.3f} / {statistics.fmean(errors):.3f}"
+            f" | {statistics.fmean(covers):.0%}"
+        )
+
+    best = max(speeds[A], speeds[B])
+    fastest = statistics.fmean(speeds[r.leader] == best for r in results)
+    trials = statistics.fmean(r.trials for r in results)
+    return (
+        f"| {name} ({speeds[A]}x, {speeds[B]}x) | {noise:.0%} "
+        f"| {summary(lambda r: r.stated)} | {summary(lambda r: r.every)} "
+        f"| {fastest:.0%} | {trials:.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--studies", type=int, default=300, help="simulated studies per row")
+    args = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    print(
+        "| case (true speedups) | reading noise | stated / true: median / mean | covers "
+        "| every round: median / mean | covers | leader truly fastest | trials |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (a, b) in CASES.items():
+        speeds = {BASE: 1.0, A: a, B: b}
+        for noise in NOISE:
+            results = [one_study(seed, speeds, noise) for seed in range(args.studies)]
+            print(_row(name, noise, results, speeds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
