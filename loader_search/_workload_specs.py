@@ -13,6 +13,7 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "synthetic-images": "loader_search.workloads.synthetic_images:synthetic_images",
     "digits": "loader_search.workloads.digits:digits",
     "image-folder": "loader_search.workloads.image_folder:image_folder",
+    "synthetic-text": "loader_search.workloads.synthetic_text:synthetic_text",
 }
 
 # Options of built-in workloads that name a file or folder: in a config file, a relative one

@@ -343,6 +343,14 @@ class LoaderParams:
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[LrScaling, ...] = ("none", "linear", "sqrt")
 GradientAccumulation = Literal["auto", "off"]
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+MatmulPrecision = Literal["highest", "high", "medium"]
+MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = ("highest", "high", "medium")
+# The [training] keys of the user's step (loader_search.trial._step)
+STEP_KEYS = ("precision", "matmul_precision", "compile", "channels_last")
+# torch.compile's modes (``compile = true`` is "default")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GRADIENT_ACCUMULATION: tuple[GradientAccumulation, ...] = ("auto", "off")
 
 
@@ -363,8 +371,37 @@ class TrainingSettings:
     # "auto": a batch size that does not fit in memory (measured or inferred) is trained as
     # micro-batches that fit, with the gradients accumulated; "off": it is infeasible.
     gradient_accumulation: GradientAccumulation = "auto"
+    # The user's step (loader_search.trial._step): autocast precision, float32 matmul
+    # precision (None: torch's own), torch.compile (False, True or a mode), channels_last.
+    precision: Precision = "fp32"
+    matmul_precision: MatmulPrecision | None = None
+    compile: bool | str = False
+    channels_last: bool = False
+
+    @property
+    def compile_mode(self) -> str | None:
+        """torch.compile's mode, or None when the model is not compiled."""
+        if self.compile is True:
+            return "default"
+        return self.compile or None  # type: ignore[return-value]
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                "training.precision", self.precision, f"use one of {', '.join(PRECISIONS)}"
+            )
+        if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(
+                "training.matmul_precision",
+                self.matmul_precision,
+                f"use one of {', '.join(MATMUL_PRECISIONS)}",
+            )
+        if not isinstance(self.compile, bool) and self.compile not in COMPILE_MODES:
+            raise ConfigError(
+                "training.compile",
+                self.compile,
+                f"use true, false or a mode: {', '.join(COMPILE_MODES)}",
+            )
         if self.lr_scaling not in LR_SCALINGS:
             raise ConfigError(
                 "training.lr_scaling", self.lr_scaling, f"use one of {', '.join(LR_SCALINGS)}"
@@ -465,14 +502,20 @@ def scaled_lr(base_lr: float, batch_size: int, base_batch_size: int, rule: LrSca
 
 
 def dataloader_snippet(
-    params: LoaderParams, dataset_name: str = "train_dataset", lr: float | None = None
+    params: LoaderParams,
+    dataset_name: str = "train_dataset",
+    lr: float | None = None,
+    step: Mapping[str, Any] | None = None,
 ) -> str:
     """Ready-to-paste Python for the recommended settings.
 
     ``lr`` is the learning rate the trial trained with: a different batch size than the
-    user's comes with its scaled learning rate, and the snippet says so.
+    user's comes with its scaled learning rate, and the snippet says so. ``step``: the
+    training step's settings that differ from the defaults (``precision``,
+    ``matmul_precision``, ``compile``, ``channels_last``), as the study's fingerprint holds
+    them: the lines of the step the measurement used come first.
     """
-    lines = []
+    lines = step_snippet(step or {})
     if lr is not None:
         lines.append(f"# train with lr={lr:.4g} at this batch size (as measured)")
     lines.append(f"torch.set_num_threads({params.torch_threads})")
@@ -493,6 +536,32 @@ def dataloader_snippet(
     if params.accumulation_steps > 1:
         lines.append(accumulation_snippet(params))
     return "\n".join(lines)
+
+
+def step_snippet(step: Mapping[str, Any]) -> list[str]:
+    """The lines of the training step a study measured (see `dataloader_snippet`)."""
+    lines = []
+    if step.get("matmul_precision"):
+        lines.append(f'torch.set_float32_matmul_precision("{step["matmul_precision"]}")')
+    if step.get("channels_last"):
+        lines.append("model = model.to(memory_format=torch.channels_last)  # and 4-D inputs")
+    compile_ = step.get("compile")
+    if compile_ is True or compile_ == "default":
+        lines.append("model = torch.compile(model)")
+    elif isinstance(compile_, str) and compile_:
+        lines.append(f'model = torch.compile(model, mode="{compile_}")')
+    precision = step.get("precision", "fp32")
+    if precision in ("bf16", "fp16"):
+        dtype = "bfloat16" if precision == "bf16" else "float16"
+        if precision == "fp16":
+            lines.append('scaler = torch.amp.GradScaler("cuda")  # scaler.scale(loss).backward()')
+        lines.append(
+            f"# the forward and the loss under autocast: with torch.autocast(device.type,"
+            f" dtype=torch.{dtype}):"
+        )
+    if lines:
+        lines.insert(0, "# the training step as measured")
+    return lines
 
 
 def thread_loader_snippet(params: LoaderParams, dataset_name: str = "train_dataset") -> str:

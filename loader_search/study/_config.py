@@ -24,8 +24,11 @@ from loader_search._workload_specs import resolve_paths
 from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import (
     BACKENDS,
+    COMPILE_MODES,
     GRADIENT_ACCUMULATION,
     LR_SCALINGS,
+    MATMUL_PRECISIONS,
+    PRECISIONS,
     RANGES,
     START_METHODS,
     TrainingSettings,
@@ -360,9 +363,23 @@ def _parse_training(table: Table, seed: int) -> TrainingSettings:
         gradient_accumulation=table.string(
             "gradient_accumulation", defaults.gradient_accumulation, GRADIENT_ACCUMULATION
         ),
+        precision=table.string("precision", defaults.precision, PRECISIONS),
+        matmul_precision=table.string("matmul_precision", None, MATMUL_PRECISIONS),
+        compile=_parse_compile(table),
+        channels_last=table.bool("channels_last", defaults.channels_last),
     )
     table.done()
     return settings
+
+
+def _parse_compile(table: Table) -> bool | str:
+    """``compile``: true, false or one of torch.compile's modes."""
+    value = table.pop("compile", False)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in COMPILE_MODES:
+        return value
+    raise table.error("compile", value, f"use true, false or a mode: {', '.join(COMPILE_MODES)}")
 
 
 def _parse_space(table: Table) -> SearchSpace:

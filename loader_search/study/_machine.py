@@ -19,6 +19,7 @@ from loader_search.study._space import ResolvedSpace
 from loader_search.study._timings import check_timings_file
 from loader_search.team._hardware import Hardware, collect, gpu_count
 from loader_search.team._lockfiles import check_lock_folder
+from loader_search.trial._step import check_step_settings
 from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
 from loader_search.workloads import Workload
 
@@ -37,6 +38,7 @@ def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, H
     """Pin this process, then resolve its device and describe the hardware its trials use
     (in that order: pinning must precede any question to CUDA)."""
     device = resolve_device(_pin(machine.cpus, machine.gpu, config.device))
+    check_step_settings(config.training, device)  # fp16 on a CPU, bf16 where CUDA lacks it
     check_lock_folder()  # trials will take the host lock there: refuse a bad one now
     check_timings_file()  # and append their timings here, if asked to
     gpus = 1 if machine.gpu is not None else None

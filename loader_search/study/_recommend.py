@@ -24,7 +24,7 @@ from typing import Any, Literal
 import optuna
 from optuna.trial import FrozenTrial
 
-from loader_search.params import LoaderParams, dataloader_snippet
+from loader_search.params import STEP_KEYS, LoaderParams, dataloader_snippet
 from loader_search.study._confirm import (
     FASTER,
     NO_RELIABLE_GAIN,
@@ -32,7 +32,7 @@ from loader_search.study._confirm import (
     paired_speedups,
     preference,
 )
-from loader_search.study._keys import HARDWARE_CLASS_ATTR, PIPELINE_ATTR
+from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
 from loader_search.study._pipeline import PipelineModel
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 
@@ -84,9 +84,13 @@ class Recommendation:
     # ratio of medians).
     paired: PairedSpeedup | None = None
 
+    # The training step's settings that differ from the defaults (precision, compile, ...):
+    # the snippet shows the step the measurement used.
+    step: Mapping[str, Any] | None = None
+
     @property
     def snippet(self) -> str:
-        return dataloader_snippet(self.point.params, lr=self.point.lr)
+        return dataloader_snippet(self.point.params, lr=self.point.lr, step=self.step)
 
     def speedup_text(self) -> str | None:
         """The speedup as every view states it: with its interval once confirmed, a plain
@@ -233,12 +237,18 @@ def summarize(
     summary = summarize_trials(
         study.study_name, study.get_trials(deepcopy=False), loss_tolerance, hardware_class
     )
-    stored = study.user_attrs.get(PIPELINE_ATTR)
-    if summary.recommended is None or not isinstance(stored, dict) or not stored:
+    rec = summary.recommended
+    if rec is None:
         return summary
-    key = hardware_class if hardware_class is not None else next(iter(stored))
-    view = pipeline_view(stored.get(key), summary.recommended.point)
-    return replace(summary, recommended=replace(summary.recommended, pipeline=view))
+    stamp = study.user_attrs.get(FINGERPRINT_ATTR)
+    training = stamp.get("training") if isinstance(stamp, dict) else None
+    if isinstance(training, dict) and any(k in training for k in STEP_KEYS):
+        rec = replace(rec, step={k: training[k] for k in STEP_KEYS if k in training})
+    stored = study.user_attrs.get(PIPELINE_ATTR)
+    if isinstance(stored, dict) and stored:
+        key = hardware_class if hardware_class is not None else next(iter(stored))
+        rec = replace(rec, pipeline=pipeline_view(stored.get(key), rec.point))
+    return replace(summary, recommended=rec)
 
 
 def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:

@@ -13,6 +13,7 @@ import optuna
 
 from loader_search._version import __version__
 from loader_search.errors import UserError
+from loader_search.params import STEP_KEYS, TrainingSettings
 from loader_search.study._config import StudyConfig, parse_config
 from loader_search.study._keys import (
     BUDGET_ATTR,
@@ -57,7 +58,18 @@ def fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str,
                 if config.training.gradient_accumulation == "off"
                 else {}
             ),
+            # Only when not the default: studies from before the user's step keep theirs.
+            **_step_fingerprint(config),
         },
+    }
+
+
+def _step_fingerprint(config: StudyConfig) -> dict[str, Any]:
+    """The training step's settings that differ from the defaults (a worker training
+    another step, another precision or compiled, measures another consumer: it cannot join)."""
+    training, defaults = config.training, TrainingSettings()
+    return {
+        k: getattr(training, k) for k in STEP_KEYS if getattr(training, k) != getattr(defaults, k)
     }
 
 

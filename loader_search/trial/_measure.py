@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 import psutil
 
+# A warm-up "until stable" (with torch.compile) ends once the last STABLE_STEPS step times
+# lie within STABLE_RATIO of their median: a compilation is hundreds of steps long.
+STABLE_STEPS = 3
+STABLE_RATIO = 3.0
+
 
 @dataclass(frozen=True)
 class WindowStats:
@@ -26,6 +31,11 @@ class WindowStats:
     data_wait_s: float
     warmup_batches: int
     time_to_first_batch_s: float
+    # The slowest step of the window over its median step (a spike: a recompilation, a
+    # stall), and the steps left out of it (`StepMeter.step`'s ``exclude``) with their time.
+    slowest_step_over_median: float | None = None
+    excluded_steps: int = 0
+    excluded_s: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -51,13 +61,26 @@ class StepMeter:
         meter.step(len(batch))        # after the step was issued
         ...
         stats = meter.finish()
+
+    The warm-up is ``warmup_batches`` batches; with ``until_stable`` it goes on until the
+    last `STABLE_STEPS` step times are within `STABLE_RATIO` of their median too (a compiled
+    model's first steps compile), at most until ``max_warmup`` batches.
     """
 
-    def __init__(self, warmup_batches: int, sync: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        warmup_batches: int,
+        sync: Callable[[], None] = lambda: None,
+        *,
+        until_stable: bool = False,
+        max_warmup: int | None = None,
+    ) -> None:
         if warmup_batches < 1:
             raise ValueError("at least one warm-up batch is needed to exclude worker start-up")
         self._warmup = warmup_batches
         self._sync = sync
+        self._until_stable = until_stable
+        self._max_warmup = max(warmup_batches, max_warmup or warmup_batches)
         self._steps = 0
         self._created_at: float | None = None
         self._first_batch_at: float | None = None
@@ -65,9 +88,14 @@ class StepMeter:
         self._samples = 0
         self._wait = 0.0
         self._wait_started: float | None = None
+        self._last_step_at: float | None = None
+        self._times: list[float] = []  # step times: the warm-up's last few, then the window's
+        self._excluded = 0
+        self._excluded_s = 0.0
 
     def start(self) -> None:
         self._created_at = time.perf_counter()
+        self._last_step_at = self._created_at
 
     def wait_begin(self) -> None:
         self._wait_started = time.perf_counter()
@@ -81,14 +109,37 @@ class StepMeter:
             self._wait += now - self._wait_started
         self._wait_started = None
 
-    def step(self, samples: int) -> None:
-        """Record a finished step; the window opens once the warm-up batches are done."""
+    def step(self, samples: int, exclude: float | None = None) -> None:
+        """Record a finished step; the window opens once the warm-up is done. ``exclude``:
+        this step's own time (seconds), to leave it and its samples out of the window (a
+        recompilation in it; see `loader_search.trial._step`)."""
+        now = time.perf_counter()
+        elapsed = now - (self._last_step_at if self._last_step_at is not None else now)
+        self._last_step_at = now
         self._steps += 1
         if self._window_start is not None:
+            if exclude is not None:
+                self._excluded += 1
+                self._excluded_s += min(exclude, elapsed)
+                return
             self._samples += samples
-        elif self._steps == self._warmup:
+            self._times.append(elapsed)
+            return
+        self._times = [*self._times[-(STABLE_STEPS - 1) :], elapsed]
+        if self._steps >= self._warmup and (
+            not self._until_stable or self._stable() or self._steps >= self._max_warmup
+        ):
             self._sync()  # the warm-up's queued device work must not leak into the window
             self._window_start = time.perf_counter()
+            self._last_step_at = self._window_start
+            self._warmup = self._steps
+            self._times = []
+
+    def _stable(self) -> bool:
+        if len(self._times) < STABLE_STEPS:
+            return False
+        middle = sorted(self._times)[len(self._times) // 2]
+        return max(self._times) <= STABLE_RATIO * middle
 
     @property
     def in_window(self) -> bool:
@@ -112,12 +163,20 @@ class StepMeter:
                 " raise the training budget"
             )
         assert self._created_at is not None and self._first_batch_at is not None
+        spike = None
+        if self._times:
+            ordered = sorted(self._times)
+            middle = ordered[len(ordered) // 2]
+            spike = ordered[-1] / middle if middle > 0 else None
         return WindowStats(
             measured_samples=self._samples,
-            measured_time_s=end - self._window_start,
+            measured_time_s=end - self._window_start - self._excluded_s,
             data_wait_s=self._wait,
             warmup_batches=self._warmup,
             time_to_first_batch_s=self._first_batch_at - self._created_at,
+            slowest_step_over_median=spike,
+            excluded_steps=self._excluded,
+            excluded_s=self._excluded_s,
         )
 
 

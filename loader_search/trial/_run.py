@@ -35,6 +35,7 @@ from loader_search.params import (
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
 from loader_search.trial._stages import StageCosts, StageMeter, TimedCollate, timed_dataset
+from loader_search.trial._step import FirstStepClock, Step, compiled_graphs
 from loader_search.trial._system import OtherLoad, usable_cpus
 from loader_search.workloads import Workload
 
@@ -120,6 +121,15 @@ class TrialResult:
     # The share of its CPUs other processes kept busy over the same window: a confirmation
     # reading taken beside a busy neighbour is measured again (see loader_search.study._confirm).
     other_load: float | None = None
+    # The user's step (loader_search.trial._step): with torch.compile, the first training
+    # step's time (compilation included) and the recompilations during the window, left out
+    # of it; with fp16, the optimizer steps the gradient scaler skipped.
+    compile_time_s: float | None = None
+    window_recompiles: int | None = None
+    window_recompile_s: float | None = None
+    skipped_steps: int | None = None
+    # The window's slowest step over its median step: a spike left in it shows here.
+    slowest_step_over_median: float | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -177,7 +187,8 @@ def run_trial(
     try:
         torch.manual_seed(settings.seed)  # every trial starts from the same weights
         model = workload.make_model().to(device)
-        optimizer = workload.make_optimizer(model.parameters(), lr)
+        step = Step(workload, settings, model, device, pin_memory=params.pin_memory)
+        optimizer = workload.make_optimizer(step.module.parameters(), lr)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with PeakRSS() as rss:
@@ -189,28 +200,23 @@ def run_trial(
                 seed=settings.seed,
                 collate_fn=TimedCollate(workload.collate_fn),
             )
-            meter = StepMeter(warmup, sync)
+            meter = StepMeter(
+                warmup,
+                sync,
+                until_stable=step.compiled,
+                max_warmup=steps - MIN_MEASURED_BATCHES,
+            )
             stages = StageMeter(usable_cpus())
             mark = _Mark(plan.short_samples, train_start)
             budget = settings.train_samples
             if plan.stop_early and plan.short_samples is not None:
                 budget = min(budget, plan.short_samples)
-            last_loss, first_loss, epochs, stats, costs = _train(
-                model,
-                optimizer,
-                workload,
-                loader,
-                (meter, stages),
-                budget,
-                device,
-                params,
-                tick,
-                mark,
-            )
+            trained = _train(step, optimizer, loader, (meter, stages), budget, params, tick, mark)
+            stats, costs = trained.stats, trained.costs
             del loader  # shuts down persistent workers before evaluation
             train_time = time.perf_counter() - train_start
-            final_loss = float(last_loss)
-            untrained_loss = float(first_loss)
+            final_loss = float(trained.last_loss)
+            untrained_loss = float(trained.first_loss)
             if not math.isfinite(final_loss):
                 raise TrainingDiverged(
                     f"training loss became {final_loss} at lr={lr:.4g}; lower the learning rate"
@@ -222,9 +228,9 @@ def run_trial(
             if plan.stop_early:
                 # One evaluation batch, unscored: a setting whose evaluation runs out of
                 # memory must not pass as feasible because it stopped early.
-                _evaluate(model, workload, params, settings, device, tick, max_batches=1)
+                _evaluate(step, params, settings, tick, max_batches=1)
             else:
-                val_loss, val_accuracy = _evaluate(model, workload, params, settings, device, tick)
+                val_loss, val_accuracy = _evaluate(step, params, settings, tick)
                 if not math.isfinite(val_loss):
                     raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
             eval_time = time.perf_counter() - eval_start
@@ -233,7 +239,7 @@ def run_trial(
         ceiling = other_load = None
         if plan.measure_ceiling:
             load = OtherLoad()
-            ceiling = measure_ceiling(model, optimizer, workload, params, device, tick)
+            ceiling = measure_ceiling(step, optimizer, params, tick)
             other_load = load.share()
     finally:
         torch.set_num_threads(previous_threads)
@@ -251,7 +257,7 @@ def run_trial(
         measured_samples=window.measured_samples,
         measured_time_s=window.measured_time_s,
         warmup_batches=stats.warmup_batches,
-        epochs=epochs,
+        epochs=trained.epochs,
         lr=lr,
         final_train_loss=final_loss,
         train_time_s=train_time,
@@ -272,6 +278,11 @@ def run_trial(
         cpu_used_cores=window_costs.cpu_used,
         other_load=window_costs.other_load,
         cpus_available=window_costs.cpus_available,
+        compile_time_s=trained.compile_time_s,
+        window_recompiles=window.excluded_steps if step.compiled else None,
+        window_recompile_s=window.excluded_s if step.compiled else None,
+        skipped_steps=step.skipped_steps if step.scaler is not None else None,
+        slowest_step_over_median=window.slowest_step_over_median,
     )
 
 
@@ -295,14 +306,12 @@ class _Mark:
 
 
 def measure_ceiling(
-    model: torch.nn.Module,
+    step: Step,
     optimizer: torch.optim.Optimizer,
-    workload: Workload,
     params: LoaderParams,
-    device: torch.device,
     progress: Callable[[], None] = _no_progress,
 ) -> float:
-    """Samples/s of the same model and batch size fed from batches already decoded and on
+    """Samples/s of the same step and batch size fed from batches already decoded and on
     the device: the throughput no loader setting can beat (loader efficiency divides by it).
 
     A few batches are decoded once, moved to the device, and cycled: their content does not
@@ -312,34 +321,37 @@ def measure_ceiling(
     """
     micro = params.micro_batch_size
     plain = LoaderParams(batch_size=micro, torch_threads=params.torch_threads)
+    workload = step.workload
     loader = build_loader(
         workload.train_dataset, plain, shuffle=True, collate_fn=workload.collate_fn
     )
     batches = []
-    for inputs, targets in loader:
-        batches.append((inputs.to(device), targets.to(device)))
+    for batch in loader:
+        if step.size(batch) < micro:
+            break  # a short last batch would compile a new shape and time another step
+        batches.append(step.prepare(batch))
         if len(batches) == CEILING_DISTINCT_BATCHES:
             break
     if not batches:
         raise ValueError(f"the training set has fewer than {micro} samples")
-    sync = _sync_for(device)
-    model.train()
+    sync = _sync_for(step.device)
+    step.module.train()
     accumulate = params.accumulation_steps
 
-    def step(i: int) -> int:  # one micro-batch; the optimizer steps after each full batch
-        inputs, targets = batches[i % len(batches)]
-        loss = workload.loss_fn(model(inputs), targets)
+    def one(i: int) -> int:  # one micro-batch; the optimizer steps after each full batch
+        batch = batches[i % len(batches)]
+        loss = step.loss(batch)
         if i % accumulate == 0:
             optimizer.zero_grad(set_to_none=True)
-        (loss / accumulate if accumulate > 1 else loss).backward()  # type: ignore[no-untyped-call]
+        step.backward(loss / accumulate if accumulate > 1 else loss)
         if i % accumulate == accumulate - 1:
-            optimizer.step()
+            step.optimizer_step(optimizer)
         progress()
-        return len(targets)
+        return micro
 
     warmup = CEILING_WARMUP_STEPS * accumulate
     for i in range(warmup):
-        step(i)
+        one(i)
     sync()
     start = time.perf_counter()
     samples = steps = 0
@@ -348,7 +360,7 @@ def measure_ceiling(
         or steps % accumulate
         or time.perf_counter() - start < CEILING_MIN_S
     ):
-        samples += step(warmup + steps)
+        samples += one(warmup + steps)
         steps += 1
         if steps % CEILING_MIN_STEPS == 0:
             sync()  # the clock must see finished work, not queued work
@@ -356,23 +368,36 @@ def measure_ceiling(
     return samples / (time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class _Trained:
+    """What `_train` returns: the last batch's loss and the first's (tensors: no per-step
+    device sync), the epochs begun, the measured window, its stage costs, and with compile
+    the first step's time."""
+
+    last_loss: torch.Tensor
+    first_loss: torch.Tensor
+    epochs: int
+    stats: WindowStats
+    costs: StageCosts
+    compile_time_s: float | None
+
+
 def _train(
-    model: torch.nn.Module,
+    step: Step,
     optimizer: torch.optim.Optimizer,
-    workload: Workload,
     loader: DataLoader[Any] | ThreadLoader,
     meters: tuple[StepMeter, StageMeter],
     budget: int,
-    device: torch.device,
     params: LoaderParams,
     progress: Callable[[], None],
     mark: _Mark,
-) -> tuple[torch.Tensor, torch.Tensor, int, WindowStats, StageCosts]:
-    """The training loop; returns the last batch's loss and the first's (tensors: no
-    per-step device sync), the epochs begun, the measured window and its stage costs. The
-    loader yields `TimedBatch`es (see `loader_search.trial._stages`)."""
+) -> _Trained:
+    """The training loop. The loader yields `TimedBatch`es (see
+    `loader_search.trial._stages`); every batch goes through ``step``. With torch.compile, a
+    step that compiled a new graph inside the window (a short last batch, a new shape) is
+    left out of the window and counted (`StepMeter.step`'s ``exclude``)."""
     meter, stages = meters
-    model.train()
+    step.module.train()
     meter.start()
     iterator = iter(loader)
     epochs = 1
@@ -384,6 +409,8 @@ def _train(
     loss = torch.zeros(())
     first: torch.Tensor | None = None
     in_process = params.num_workers == 0  # threads, like worker processes, produce aside
+    clock = FirstStepClock(step)
+    graphs = compiled_graphs() if step.compiled else None
     while seen < budget:
         meter.wait_begin()
         cpu_before = time.thread_time()
@@ -396,32 +423,41 @@ def _train(
             timed = next(iterator)
         meter.wait_end()
         stages.received(timed, time.thread_time() - cpu_before, in_process)
-        inputs, targets = timed.batch
-        n = min(len(targets), budget - seen)
-        if n < len(targets):  # the budget is exact, whatever the batch size
-            inputs, targets = inputs[:n], targets[:n]
+        batch = timed.batch
+        size = step.size(batch)
+        n = min(size, budget - seen)
+        if n < size:  # the budget is exact, whatever the batch size
+            batch = step.take(batch, n)
         cpu_before = time.thread_time()
-        inputs = inputs.to(device, non_blocking=params.pin_memory)
-        targets = targets.to(device, non_blocking=params.pin_memory)
+        batch = step.prepare(batch)
         stages.copied(time.thread_time() - cpu_before)
+        began = time.perf_counter()
+        clock.begin()
         if batch_left == 0:  # an effective batch begins: as the whole batch's loader cuts it
             batch_samples = min(params.batch_size, budget - seen, epoch_size - in_epoch)
             batch_left = batch_samples
             optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(model(inputs), targets)
+        loss = step.loss(batch)
         if first is None:
             first = loss.detach()  # the untrained model's loss: before its first step
         if params.accumulation_steps > 1:  # weighted so that the sum is the batch's mean
-            (loss * (n / batch_samples)).backward()  # type: ignore[no-untyped-call]
+            step.backward(loss * (n / batch_samples))
         else:
-            loss.backward()  # type: ignore[no-untyped-call]
+            step.backward(loss)
         batch_left -= n
         if batch_left <= 0:
-            optimizer.step()
+            step.optimizer_step(optimizer)
             batch_left = 0
+        clock.end()
         seen += n
         in_epoch += n
-        meter.step(n)
+        exclude = None
+        if graphs is not None:
+            now = compiled_graphs()
+            if now != graphs and meter.in_window:
+                exclude = time.perf_counter() - began  # a recompilation: not the loader's
+            graphs = now
+        meter.step(n, exclude)
         if meter.in_window and not stages.is_open:
             stages.open()  # the same batches as the throughput window
         mark.reached(seen, meter, stages)
@@ -431,20 +467,25 @@ def _train(
     stats = meter.finish()
     costs = stages.snapshot()
     del iterator
-    return loss.detach(), loss.detach() if first is None else first, epochs, stats, costs
+    return _Trained(
+        loss.detach(),
+        loss.detach() if first is None else first,
+        epochs,
+        stats,
+        costs,
+        clock.seconds,
+    )
 
 
 def _evaluate(
-    model: torch.nn.Module,
-    workload: Workload,
+    step: Step,
     params: LoaderParams,
     settings: TrainingSettings,
-    device: torch.device,
     progress: Callable[[], None],
     max_batches: int | None = None,
 ) -> tuple[float, float | None]:
-    """Mean validation loss over all samples (and accuracy for class-index targets); over the
-    first ``max_batches`` only when given."""
+    """Mean validation loss over all samples (and accuracy for class-index targets, with the
+    default step); over the first ``max_batches`` only when given."""
     workers = params.num_workers if max_batches is None else 0  # one batch: no start-up
     eval_params = LoaderParams(
         batch_size=settings.eval_batch_size,
@@ -455,27 +496,34 @@ def _evaluate(
         start_method=params.start_method if workers else None,
         backend=params.backend if workers else "process",
     )
+    workload = step.workload
     loader = build_loader(
         workload.val_dataset, eval_params, shuffle=False, collate_fn=workload.collate_fn
     )
-    model.eval()
+    step.module.eval()
     total_loss = 0.0
     correct = 0
     count = 0
     classification = True
-    with torch.no_grad():
-        for inputs, targets in loader:
-            inputs = inputs.to(device, non_blocking=params.pin_memory)
-            targets = targets.to(device, non_blocking=params.pin_memory)
-            outputs = model(inputs)
-            total_loss += float(workload.loss_fn(outputs, targets)) * len(targets)
-            count += len(targets)
-            is_class_index = targets.dim() == 1 and not targets.is_floating_point()
-            if classification and outputs.dim() == 2 and is_class_index:
-                correct += int((outputs.argmax(1) == targets).sum())
-            else:
-                classification = False
-            progress()
-            if max_batches is not None and count >= max_batches * settings.eval_batch_size:
-                break
+    for batches, batch in enumerate(loader, start=1):
+        n = step.size(batch)
+        batch = step.prepare(batch)
+        loss, outputs = step.eval_loss(batch)
+        total_loss += float(loss) * n
+        count += n
+        targets = batch[1] if outputs is not None else None
+        if (
+            classification
+            and outputs is not None
+            and isinstance(targets, torch.Tensor)
+            and outputs.dim() == 2
+            and targets.dim() == 1
+            and not targets.is_floating_point()
+        ):
+            correct += int((outputs.argmax(1) == targets).sum())
+        else:
+            classification = False
+        progress()
+        if max_batches is not None and batches >= max_batches:
+            break
     return total_loss / count, (correct / count if classification else None)
