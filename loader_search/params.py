@@ -347,6 +347,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
 MatmulPrecision = Literal["highest", "high", "medium"]
 MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = ("highest", "high", "medium")
+MAX_RANKS = 1024  # ranks of one trial, at most
 # The [training] keys of the user's step (loader_search.trial._step)
 STEP_KEYS = ("precision", "matmul_precision", "compile", "channels_last")
 # torch.compile's modes (``compile = true`` is "default")
@@ -377,6 +378,8 @@ class TrainingSettings:
     matmul_precision: MatmulPrecision | None = None
     compile: bool | str = False
     channels_last: bool = False
+    # Ranks per trial (loader_search.trial._ranks): 1, N, or "auto" (one per visible GPU).
+    ranks: int | str = 1
 
     @property
     def compile_mode(self) -> str | None:
@@ -401,6 +404,16 @@ class TrainingSettings:
                 "training.compile",
                 self.compile,
                 f"use true, false or a mode: {', '.join(COMPILE_MODES)}",
+            )
+        if self.ranks != "auto" and (
+            isinstance(self.ranks, bool)
+            or not isinstance(self.ranks, int)
+            or not 1 <= self.ranks <= MAX_RANKS
+        ):
+            raise ConfigError(
+                "training.ranks",
+                self.ranks,
+                f'use a whole number of ranks from 1 to {MAX_RANKS}, or "auto"',
             )
         if self.lr_scaling not in LR_SCALINGS:
             raise ConfigError(

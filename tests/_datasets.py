@@ -113,3 +113,40 @@ def activation_hungry(
         make_model=functools.partial(ActivationHungry, width, headroom_mb),
         base_lr=0.05,
     )
+
+
+class RankFault(TimedDataset):
+    """Fine in every rank but ``rank``, which, after ``after`` samples, does ``fault``:
+    ``"raise"`` (a ValueError), ``"segfault"`` (SIGSEGV to itself) or ``"hang"`` (sleeps for
+    an hour). Read with ``num_workers=0``, so the rank process itself is the one at fault."""
+
+    def __init__(self, n: int, fault: str, rank: int = 1, after: int = 256) -> None:
+        super().__init__(n)
+        self.fault, self.rank, self.after, self.seen = fault, rank, after, 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        import torch.distributed as dist
+
+        self.seen += 1
+        if dist.is_initialized() and dist.get_rank() == self.rank and self.seen > self.after:
+            if self.fault == "raise":
+                raise ValueError(f"planted fault in rank {self.rank}")
+            if self.fault == "segfault":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.fault == "hang":
+                time.sleep(3600)
+        return super().__getitem__(index)
+
+
+def rank_fault(fault: str, n: int = 2048) -> Workload:
+    """A workload one of whose ranks fails as ``fault`` says (see `RankFault`)."""
+    return Workload(
+        name=f"rank-{fault}",
+        train_dataset=RankFault(n, fault),
+        val_dataset=TimedDataset(64),
+        make_model=linear_model,
+        base_lr=0.05,
+    )

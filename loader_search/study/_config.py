@@ -367,6 +367,7 @@ def _parse_training(table: Table, seed: int) -> TrainingSettings:
         matmul_precision=table.string("matmul_precision", None, MATMUL_PRECISIONS),
         compile=_parse_compile(table),
         channels_last=table.bool("channels_last", defaults.channels_last),
+        ranks=table.pop("ranks", defaults.ranks),
     )
     table.done()
     return settings

@@ -16,7 +16,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from loader_search.errors import TrainingDiverged
@@ -126,6 +126,16 @@ def failure_for(
     )
 
 
+class RankFailed(Exception):
+    """A rank of a multi-rank trial failed (`loader_search.trial._ranks`): ``failure`` is
+    that rank's classified failure, and the trial's."""
+
+    def __init__(self, rank: int, failure: TrialFailure) -> None:
+        super().__init__(f"rank {rank}: {failure.message}")
+        self.rank = rank
+        self.failure = failure
+
+
 # Text of errors whose type says nothing (RuntimeError), as PyTorch words them.
 _CUDA_OOM_TEXT = (
     "CUDA out of memory",
@@ -153,6 +163,9 @@ def classify_exception(exc: BaseException) -> TrialFailure:
     ``interrupted``; anything else → ``exception``. The exception's cause and context chain is
     searched too (user code may wrap an out-of-memory error).
     """
+    if isinstance(exc, RankFailed):  # classified where it happened, in its rank
+        failure = exc.failure
+        return replace(failure, message=_one_line(f"rank {exc.rank}: {failure.message}"))
     trace = _traceback_tail(exc)
     chain = list(_chain(exc))
     # "DataLoader worker (pid(s) N) exited unexpectedly" hides the signal in its cause.

@@ -34,6 +34,7 @@ def build_loader(
     seed: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
+    sampler: Sampler[int] | None = None,
 ) -> DataLoader[Any] | ThreadLoader:
     """A fresh DataLoader with the trial's settings, to be iterated by this process (a
     `ThreadLoader` for ``backend = "thread"``).
@@ -42,10 +43,12 @@ def build_loader(
     the samples in the same order whatever its loader settings. (Sharing the DataLoader's
     generator would not do: each new iterator draws its workers' base seed from it, so the
     order would depend on ``persistent_workers``.) Its workers start with `WorkerStart`, then
-    ``worker_init_fn``.
+    ``worker_init_fn``. A ``sampler`` given (a rank's `DistributedSampler`) replaces that
+    order.
     """
-    sampler = None
-    if shuffle:  # map-style datasets are Sized; the Dataset type just does not say so
+    if (
+        sampler is None and shuffle
+    ):  # map-style datasets are Sized; the Dataset type just does not say so
         sized = cast(Sized, dataset)
         sampler = RandomSampler(sized, generator=torch.Generator().manual_seed(seed))
     if params.backend == "thread":
@@ -87,6 +90,7 @@ class ThreadLoader:
                 "backend 'thread' needs torchdata: pip install 'loader-search[threads]'"
             ) from None
         self.dataset = dataset
+        self.sampler = sampler
         sized = cast(Sized, dataset)
         node: Any = nodes.SamplerWrapper(
             sampler if sampler is not None else SequentialSampler(sized)

@@ -34,6 +34,17 @@ from loader_search.params import (
 )
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
+from loader_search.trial._ranks import (
+    RankContext,
+    distributed_sampler,
+    per_rank_plan,
+    rank_budget,
+    rank_device,
+    rank_sync,
+    resolve_ranks,
+    run_ranks,
+    wrap_model,
+)
 from loader_search.trial._stages import StageCosts, StageMeter, TimedCollate, timed_dataset
 from loader_search.trial._step import FirstStepClock, Step, compiled_graphs
 from loader_search.trial._system import OtherLoad, usable_cpus
@@ -130,6 +141,10 @@ class TrialResult:
     skipped_steps: int | None = None
     # The window's slowest step over its median step: a spike left in it shows here.
     slowest_step_over_median: float | None = None
+    # A multi-rank trial (loader_search.trial._ranks): its ranks, and each rank's figures
+    # (lists, rank 0 first); the fields above are the node's.
+    ranks: int | None = None
+    per_rank: dict[str, list[Any]] | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -154,6 +169,7 @@ def run_trial(
     *,
     progress: Callable[[], None] | None = None,
     plan: RunPlan = FULL_RUN,
+    rank: RankContext | None = None,
 ) -> TrialResult:
     """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure
     (and what ``plan`` asks, see `RunPlan`).
@@ -164,14 +180,30 @@ def run_trial(
 
     Raises `TrainingDiverged` when the loss becomes non-finite, and ``ValueError`` when the
     budget is too small to measure anything after the warm-up.
+
+    With ``[training] ranks`` above 1 the trial runs on that many ranks
+    (`loader_search.trial._ranks`): ``rank`` is this process's, and the budget, the early-stop
+    mark and the window are per rank.
     """
     device = torch.device(device)
     tick = progress if progress is not None else _no_progress
+    world = resolve_ranks(settings.ranks, device)
+    if world > 1 and rank is None:
+
+        def one_rank(me: RankContext) -> TrialResult:
+            ping = progress if me.is_main else None
+            return run_trial(workload, params, settings, device, progress=ping, plan=plan, rank=me)
+
+        return run_ranks(one_rank, world, device, tick)
+    if rank is not None:
+        device = rank_device(device, rank)
+        plan = per_rank_plan(plan, rank.world)
+    budget_samples = rank_budget(settings.train_samples, rank)
     warmup = warmup_batches(params, settings.warmup_batches)
-    steps = math.ceil(settings.train_samples / params.micro_batch_size)
+    steps = math.ceil(budget_samples / params.micro_batch_size)
     if steps < batches_needed(params, settings.warmup_batches):
         raise ValueError(
-            f"train_samples = {settings.train_samples} gives {steps} batches of"
+            f"train_samples = {budget_samples} gives {steps} batches of"
             f" {params.micro_batch_size}, but {warmup} warm-up + {MIN_MEASURED_BATCHES}"
             " measured batches are needed; raise train_samples"
         )
@@ -181,34 +213,44 @@ def run_trial(
         settings.batch_size,
         settings.lr_scaling,
     )
-    sync = _sync_for(device)
+    sync = _sync_for(device) if rank is None else rank_sync(_sync_for(device))
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(params.torch_threads)
     try:
         torch.manual_seed(settings.seed)  # every trial starts from the same weights
         model = workload.make_model().to(device)
+        plain = model  # without DDP: what rank 0 evaluates and reads the ceiling of
+        if rank is not None:
+            model = wrap_model(model, device)
         step = Step(workload, settings, model, device, pin_memory=params.pin_memory)
         optimizer = workload.make_optimizer(step.module.parameters(), lr)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with PeakRSS() as rss:
             train_start = time.perf_counter()
+            train_dataset = timed_dataset(workload.train_dataset)
             loader = build_loader(
-                timed_dataset(workload.train_dataset),
+                train_dataset,
                 params,
                 shuffle=True,
                 seed=settings.seed,
                 collate_fn=TimedCollate(workload.collate_fn),
+                sampler=(
+                    distributed_sampler(train_dataset, rank, settings.seed)
+                    if rank is not None
+                    else None
+                ),
             )
             meter = StepMeter(
                 warmup,
                 sync,
-                until_stable=step.compiled,
+                # Every rank must open its window at the same step (a barrier): fixed.
+                until_stable=step.compiled and rank is None,
                 max_warmup=steps - MIN_MEASURED_BATCHES,
             )
             stages = StageMeter(usable_cpus())
             mark = _Mark(plan.short_samples, train_start)
-            budget = settings.train_samples
+            budget = budget_samples
             if plan.stop_early and plan.short_samples is not None:
                 budget = min(budget, plan.short_samples)
             trained = _train(step, optimizer, loader, (meter, stages), budget, params, tick, mark)
@@ -225,21 +267,28 @@ def run_trial(
             val_loss: float | None = None
             val_accuracy: float | None = None
             eval_start = time.perf_counter()
-            if plan.stop_early:
+            # With ranks, rank 0 alone evaluates (and reads the ceiling), on the model
+            # without DDP: no collectives; the other ranks have trained their share.
+            judge: Step | None = step
+            if rank is not None:
+                judge = Step(workload, settings, plain, device, pin_memory=params.pin_memory)
+            if rank is not None and not rank.is_main:
+                judge = None
+            if judge is not None and plan.stop_early:
                 # One evaluation batch, unscored: a setting whose evaluation runs out of
                 # memory must not pass as feasible because it stopped early.
-                _evaluate(step, params, settings, tick, max_batches=1)
-            else:
-                val_loss, val_accuracy = _evaluate(step, params, settings, tick)
+                _evaluate(judge, params, settings, tick, max_batches=1)
+            elif judge is not None:
+                val_loss, val_accuracy = _evaluate(judge, params, settings, tick)
                 if not math.isfinite(val_loss):
                     raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
             eval_time = time.perf_counter() - eval_start
         # The trial's own peak: the ceiling's extra batches on the device are not the loader's.
         peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ceiling = other_load = None
-        if plan.measure_ceiling:
+        if plan.measure_ceiling and judge is not None:
             load = OtherLoad()
-            ceiling = measure_ceiling(step, optimizer, params, tick)
+            ceiling = measure_ceiling(judge, optimizer, params, tick)
             other_load = load.share()
     finally:
         torch.set_num_threads(previous_threads)
@@ -402,7 +451,8 @@ def _train(
     iterator = iter(loader)
     epochs = 1
     seen = 0
-    epoch_size = len(loader.dataset)  # type: ignore[arg-type]
+    sampler = getattr(loader, "sampler", None)  # a rank's share, or the whole data set
+    epoch_size = len(sampler if sampler is not None else loader.dataset)  # type: ignore[arg-type]
     in_epoch = 0  # samples of this epoch so far
     batch_left = 0  # samples of the effective batch still to come as micro-batches
     batch_samples = 0  # what the effective batch averages over
@@ -419,6 +469,9 @@ def _train(
         except StopIteration:  # next epoch: the restart's wait is real loading time
             epochs += 1
             in_epoch = 0
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if set_epoch is not None:  # a rank's DistributedSampler: a new order
+                set_epoch(epochs - 1)
             iterator = iter(loader)
             timed = next(iterator)
         meter.wait_end()
@@ -437,13 +490,14 @@ def _train(
             batch_samples = min(params.batch_size, budget - seen, epoch_size - in_epoch)
             batch_left = batch_samples
             optimizer.zero_grad(set_to_none=True)
-        loss = step.loss(batch)
-        if first is None:
-            first = loss.detach()  # the untrained model's loss: before its first step
-        if params.accumulation_steps > 1:  # weighted so that the sum is the batch's mean
-            step.backward(loss * (n / batch_samples))
-        else:
-            step.backward(loss)
+        with step.no_sync(batch_left - n > 0):  # DDP: all-reduce on the stepping one only
+            loss = step.loss(batch)
+            if first is None:
+                first = loss.detach()  # the untrained model's loss: before its first step
+            if params.accumulation_steps > 1:  # weighted so that the sum is the batch's mean
+                step.backward(loss * (n / batch_samples))
+            else:
+                step.backward(loss)
         batch_left -= n
         if batch_left <= 0:
             step.optimizer_step(optimizer)

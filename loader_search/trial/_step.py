@@ -223,6 +223,14 @@ class Step:
         if self.scaler.get_scale() < before:  # the scaler found inf/NaN and skipped it
             self.skipped_steps += 1
 
+    def no_sync(self, accumulating: bool) -> Any:
+        """With DDP, while ``accumulating`` (a micro-batch the optimizer does not step on):
+        the module's ``no_sync()``, so gradients are all-reduced once per batch."""
+        no_sync = getattr(self.module, "no_sync", None)
+        if accumulating and callable(no_sync):
+            return no_sync()
+        return contextlib.nullcontext()
+
     # --- evaluation -------------------------------------------------------------------
 
     def eval_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -207,7 +207,7 @@ class _Supervisor:
             args=(writer, os.getpid(), job),
             name="loader-search-trial",
         )
-        _release_openmp_threads()
+        release_openmp_threads()
         started = time.perf_counter()
         try:
             with warnings.catch_warnings():
@@ -346,7 +346,7 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
     """The child: pin, announce, train, send the result or the classified failure."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: terminal Ctrl-C reaches the parent only
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     close_inherited_locks()  # the parent's host lock, which no loader worker may keep
     message: tuple[Any, ...]
     try:
@@ -391,7 +391,7 @@ class _ProgressPing:
             self.conn.send(("progress",))
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when the thread that forked it dies (PR_SET_PDEATHSIG):
     a parent killed outright must not leave a trial training. Loader workers ask the same of
     the trial (`loader_search.trial._loader.WorkerStart`): torch's own check, between
@@ -403,7 +403,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _release_openmp_threads() -> None:
+def release_openmp_threads() -> None:
     """Free the forking thread's OpenMP worker threads before a fork.
 
     GNU libgomp keeps a pool of threads per thread that ran a parallel region; a forked child

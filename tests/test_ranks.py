@@ -1,0 +1,92 @@
+"""Multi-rank trials (`loader_search.trial._ranks`, issue 26): 2 ranks with gloo on this CPU,
+real DDP training, real rank processes, real faults planted in one rank."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from loader_search.errors import ConfigError
+from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
+from loader_search.trial._job import TrialJob
+from loader_search.trial._supervisor import run_isolated
+from tests._datasets import rank_fault, timed_workload
+
+TWO = TrainingSettings(train_samples=4096, ranks=2, warmup_batches=2)
+
+
+def _leftovers() -> list[psutil.Process]:
+    """Processes of a trial still alive under this one (none may be left)."""
+    alive = []
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_two_rank_trial_measures_the_node_and_keeps_each_ranks_figures(workers: int) -> None:
+    params = LoaderParams(64, workers, 2 if workers else None, torch_threads=1)
+    single = TrainingSettings(train_samples=4096, warmup_batches=2, lr_scaling="none")
+    job = TrialJob(timed_workload(n=2048), params, TWO, plan=RunPlan(measure_ceiling=True))
+    outcome = run_isolated(job)
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    assert result is not None and result.ranks == 2 and result.per_rank is not None
+    per_rank = result.per_rank
+    assert len(per_rank["throughput_samples_per_s"]) == 2
+    assert len(per_rank["peak_host_rss_bytes"]) == 2
+    # The node's throughput: every rank's samples over the slowest window.
+    rates, times = per_rank["throughput_samples_per_s"], per_rank["measured_time_s"]
+    counted = sum(r * t for r, t in zip(rates, times, strict=True))
+    assert counted == pytest.approx(result.measured_samples)
+    assert result.throughput_samples_per_s == pytest.approx(
+        result.measured_samples / result.measured_time_s
+    )
+    assert result.measured_time_s == max(per_rank["measured_time_s"])
+    # Half the budget each; rank 0 evaluated the whole validation set once.
+    assert result.train_samples == 4096
+    assert result.val_loss is not None and result.ceiling_samples_per_s
+    assert result.untrained_loss is not None and result.val_loss < result.untrained_loss / 2
+    # DDP averages the ranks' gradients: 2 ranks of 32 train as one process with batches of
+    # 64 does, at one learning rate (the orders of the samples differ).
+    halves = TrialJob(
+        timed_workload(n=2048),
+        LoaderParams(32, workers, 2 if workers else None, torch_threads=1),
+        TrainingSettings(train_samples=4096, ranks=2, warmup_batches=2, lr_scaling="none"),
+    )
+    one = run_isolated(TrialJob(timed_workload(n=2048), params, single)).result
+    two = run_isolated(halves).result
+    assert one is not None and two is not None and one.val_loss and two.val_loss
+    assert two.val_loss == pytest.approx(one.val_loss, rel=0.25)
+    assert _leftovers() == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"), [("raise", "exception"), ("segfault", "crashed"), ("hang", "timeout")]
+)
+def test_a_rank_that_fails_fails_the_trial_with_its_class_and_leaves_nothing(
+    fault: str, reason: str
+) -> None:
+    job = TrialJob(rank_fault(fault), LoaderParams(64, 0, torch_threads=1), TWO)
+    outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=3))
+    assert outcome.result is None and outcome.failure is not None
+    assert outcome.failure.reason == reason, outcome.failure
+    if fault != "hang":  # the rank's own failure, not rank 0's broken connection
+        assert "rank 1" in outcome.failure.message
+    if fault == "raise":
+        assert "planted fault in rank 1" in outcome.failure.message
+    assert outcome.wall_s < 60
+    assert _leftovers() == []
+
+
+def test_ranks_are_a_whole_number_or_auto() -> None:
+    assert TrainingSettings(ranks="auto").ranks == "auto"
+    for bad in (0, -1, 1.5, "two", True, 2000):
+        with pytest.raises(ConfigError, match=r"training\.ranks"):
+            TrainingSettings(ranks=bad)  # type: ignore[arg-type]
