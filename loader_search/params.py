@@ -349,7 +349,7 @@ MatmulPrecision = Literal["highest", "high", "medium"]
 MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = ("highest", "high", "medium")
 MAX_RANKS = 1024  # ranks of one trial, at most
 # The [training] keys of the user's step (loader_search.trial._step)
-STEP_KEYS = ("precision", "matmul_precision", "compile", "channels_last")
+STEP_KEYS = ("precision", "matmul_precision", "compile", "channels_last", "ranks")
 # torch.compile's modes (``compile = true`` is "default")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GRADIENT_ACCUMULATION: tuple[GradientAccumulation, ...] = ("auto", "off")
@@ -529,13 +529,17 @@ def dataloader_snippet(
     them: the lines of the step the measurement used come first.
     """
     lines = step_snippet(step or {})
+    ranks = int((step or {}).get("ranks", 1)) if (step or {}).get("ranks") != "auto" else 1
+    if ranks > 1:
+        lines += ranks_snippet(params, ranks, dataset_name)
     if lr is not None:
         lines.append(f"# train with lr={lr:.4g} at this batch size (as measured)")
     lines.append(f"torch.set_num_threads({params.torch_threads})")
     if params.backend == "thread":
         lines.append(thread_loader_snippet(params, dataset_name))
     else:
-        args = [dataset_name, f"batch_size={params.micro_batch_size}", "shuffle=True"]
+        order = "sampler=sampler" if ranks > 1 else "shuffle=True"
+        args = [dataset_name, f"batch_size={params.micro_batch_size}", order]
         args.append(f"num_workers={params.num_workers}")
         if params.num_workers > 0:
             args.append(f"prefetch_factor={params.prefetch_factor}")
@@ -575,6 +579,33 @@ def step_snippet(step: Mapping[str, Any]) -> list[str]:
     if lines:
         lines.insert(0, "# the training step as measured")
     return lines
+
+
+def node_totals(params: LoaderParams, ranks: int) -> dict[str, int]:
+    """What ``ranks`` ranks of ``params`` ask of one node, all ranks together."""
+    return {
+        "ranks": ranks,
+        "loader_processes": ranks * params.num_workers if params.backend == "process" else 0,
+        "main_processes": ranks,
+        "torch_threads": ranks * params.torch_threads,
+        "pin_memory_threads": ranks if params.pin_memory else 0,
+        "batches_in_flight": ranks * params.batches_in_flight,
+    }
+
+
+def ranks_snippet(params: LoaderParams, ranks: int, dataset_name: str) -> list[str]:
+    """The launch and the sampler of a multi-rank recommendation (each rank runs the rest)."""
+    node = node_totals(params, ranks)
+    return [
+        f"# launch: torchrun --nproc_per_node={ranks} train.py (every rank runs what follows;"
+        " DistributedDataParallel(model))",
+        f"# the node: {node['main_processes']} training processes,"
+        f" {node['loader_processes']} loader processes, {node['torch_threads']} torch threads,"
+        f" {node['batches_in_flight']} batches in flight in /dev/shm",
+        "from torch.utils.data.distributed import DistributedSampler",
+        f"sampler = DistributedSampler({dataset_name}, shuffle=True)"
+        "  # sampler.set_epoch(epoch) before each epoch",
+    ]
 
 
 def thread_loader_snippet(params: LoaderParams, dataset_name: str = "train_dataset") -> str:

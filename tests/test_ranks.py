@@ -3,8 +3,14 @@ real DDP training, real rank processes, real faults planted in one rank."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
+import optuna
 import psutil
 import pytest
 
@@ -90,3 +96,58 @@ def test_ranks_are_a_whole_number_or_auto() -> None:
     for bad in (0, -1, 1.5, "two", True, 2000):
         with pytest.raises(ConfigError, match=r"training\.ranks"):
             TrainingSettings(ranks=bad)  # type: ignore[arg-type]
+
+
+def test_a_two_rank_study_runs_through_the_cli_and_recommends_per_rank(tmp_path: Path) -> None:
+    plugin = Path(__file__).with_name("_datasets.py")
+    config = tmp_path / "ranks.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            [study]
+            name = "ranks"
+            trials = 3
+            confirm_top = 0
+            [workload]
+            name = "{plugin}:timed_workload"
+            [workload.options]
+            n = 2048
+            [training]
+            device = "cpu"
+            ranks = 2
+            train_samples = 4096
+            warmup_batches = 1
+            [space]
+            batch_size = [64]
+            num_workers = {{ min = 0, max = "auto" }}
+            prefetch_factor = 2
+            """
+        )
+    )
+    storage = f"sqlite:///{tmp_path / 'ranks.db'}"
+    done = _cli("run", str(config), "--storage", storage, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    best = _cli("best", "ranks", "--storage", storage, "--json", cwd=tmp_path)
+    assert best.returncode == 0, best.stderr
+    rec = json.loads(best.stdout)["recommended"]
+    assert rec["ranks"] == 2 and rec["node"]["main_processes"] == 2
+    workers = rec["params"]["num_workers"]
+    assert rec["node"]["loader_processes"] == 2 * workers
+    assert workers <= max(1, len(os.sched_getaffinity(0)) // 2)  # "auto": a rank's share
+    assert "torchrun --nproc_per_node=2" in rec["snippet"]
+    assert "sampler=sampler" in rec["snippet"] and "DistributedSampler" in rec["snippet"]
+    study = optuna.load_study(study_name="ranks", storage=storage)
+    finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert finished and all(t.user_attrs["ranks"] == 2 for t in finished)
+    assert all(len(t.user_attrs["per_rank"]["data_wait_fraction"]) == 2 for t in finished)
+    assert study.user_attrs["fingerprint"]["training"]["ranks"] == 2
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loader_search", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )

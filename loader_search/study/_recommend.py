@@ -24,7 +24,7 @@ from typing import Any, Literal
 import optuna
 from optuna.trial import FrozenTrial
 
-from loader_search.params import STEP_KEYS, LoaderParams, dataloader_snippet
+from loader_search.params import STEP_KEYS, LoaderParams, dataloader_snippet, node_totals
 from loader_search.study._confirm import (
     FASTER,
     NO_RELIABLE_GAIN,
@@ -139,7 +139,15 @@ class Recommendation:
             "rule": self.rule,
             "snippet": self.snippet,
             "pipeline": self.pipeline.as_dict() if self.pipeline else None,
+            "ranks": self.ranks,
+            "node": node_totals(self.point.params, self.ranks),
         }
+
+    @property
+    def ranks(self) -> int:
+        """Ranks per trial (``[training] ranks``): the settings are per rank."""
+        ranks = (self.step or {}).get("ranks", 1)
+        return ranks if isinstance(ranks, int) and not isinstance(ranks, bool) else 1
 
 
 @dataclass(frozen=True)

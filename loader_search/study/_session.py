@@ -42,6 +42,7 @@ from loader_search.study._worker import count_finished, work
 from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
 from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
+from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.trial._system import usable_cpus
 from loader_search.workloads import Workload, check_allowed, load_workload
@@ -347,9 +348,10 @@ def prepare_session(
     hardware = here[1] if here is not None else None
     allow_mixed = machine is not None and machine.allow_mixed_hardware
     ncpus = hardware.usable_cpus if hardware else usable_cpus()
-    space = config.space.resolve(
-        ncpus, cuda=hardware is not None and hardware.device_type == "cuda"
-    )
+    cuda = hardware is not None and hardware.device_type == "cuda"
+    # num_workers and torch threads are per rank: each rank's share of the node's CPUs.
+    ranks = resolve_ranks(config.training.ranks, "cuda" if cuda else "cpu")
+    space = config.space.resolve(max(1, ncpus // ranks), cuda=cuda)
     mixed: list[str] = []
     if existing is None:
         check_budget(config.training, space)

@@ -68,8 +68,9 @@ def _step_fingerprint(config: StudyConfig) -> dict[str, Any]:
     """The training step's settings that differ from the defaults (a worker training
     another step, another precision or compiled, measures another consumer: it cannot join)."""
     training, defaults = config.training, TrainingSettings()
-    keys = (*STEP_KEYS, "ranks")
-    return {k: getattr(training, k) for k in keys if getattr(training, k) != getattr(defaults, k)}
+    return {
+        k: getattr(training, k) for k in STEP_KEYS if getattr(training, k) != getattr(defaults, k)
+    }
 
 
 def _environment() -> dict[str, Any]:

@@ -270,11 +270,12 @@ def merge(results: list[TrialResult]) -> TrialResult:
     )
 
 
-def resolve_ranks(ranks: int | str, device: torch.device) -> int:
+def resolve_ranks(ranks: int | str, device: torch.device | str) -> int:
     """``[training] ranks`` as a number: ``"auto"`` is one per visible GPU on CUDA (asked
     without initialising CUDA: `PYTORCH_NVML_BASED_CUDA_CHECK`), 1 on a CPU."""
     if ranks == "auto":
-        return max(1, torch.cuda.device_count()) if device.type == "cuda" else 1
+        cuda = torch.device(device).type == "cuda"
+        return max(1, torch.cuda.device_count()) if cuda else 1
     return int(ranks)
 
 
