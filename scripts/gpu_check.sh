@@ -11,7 +11,13 @@
 #   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml): with
 #      gradient accumulation (the default) they are measured as micro-batches that fit;
 #   5. the ImageNet-like reference (studies/imagenet-like.toml, issue 15): `make-images`, then
-#      a real study of a ResNet-18 on 224px crops and the same side by side as in 2.
+#      a real study of a ResNet-18 on 224px crops and the same side by side as in 2; then the
+#      same under the user's real step (issue 25): bf16 autocast + torch.compile +
+#      channels_last (a copy of the config with those three [training] keys);
+#   6. `python -m benchmarks.steps`: the quickstart and text workloads' ceilings and best
+#      settings under fp32 eager, bf16, compile and bf16 + compile (issue 25), and fp16 with
+#      its GradScaler through `tests/test_step.py` (skipped on a CPU);
+#   7. a 2-rank smoke study on the one GPU (issue 26: both ranks on cuda:0, gloo).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -58,9 +64,31 @@ if python3 -c 'import torchvision' > "$OUT/imagenet.log" 2>&1; then
   python3 -m benchmarks speedup --config studies/imagenet-like.toml --rounds 3 \
     --out "$OUT/imagenet" > "$OUT/imagenet.log" 2>&1
   echo "imagenet-like exit $?"; tail -40 "$OUT/imagenet.log"
+  # The user's real step: bf16 autocast, torch.compile, channels_last (issue 25).
+  sed 's/^\[training\]$/[training]\nprecision = "bf16"\ncompile = true\nchannels_last = true\nwarmup_batches = 8/' \
+    studies/imagenet-like.toml > "$OUT/imagenet-fast.toml"
+  sed -i "s/^name = \"imagenet-like\"$/name = \"imagenet-fast\"/; s|^root = .*|root = \"$PWD/data/imagenet-like\"|" \
+    "$OUT/imagenet-fast.toml"
+  python3 -m benchmarks speedup --config "$OUT/imagenet-fast.toml" --rounds 2 \
+    --out "$OUT/imagenet-fast" > "$OUT/imagenet-fast.log" 2>&1
+  echo "imagenet-like bf16+compile+channels_last exit $?"; tail -40 "$OUT/imagenet-fast.log"
 else
   echo "torchvision does not import here: skipped"; tail -3 "$OUT/imagenet.log"
 fi
+
+step "the step variants (benchmarks.steps) and fp16 with its GradScaler"
+python3 -m benchmarks.steps --out "$OUT/steps" > "$OUT/steps.log" 2>&1
+echo "steps exit $?"; tail -20 "$OUT/steps.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_step.py > "$OUT/test_step.log" 2>&1
+echo "test_step exit $?"; tail -5 "$OUT/test_step.log"
+
+step "2-rank smoke study on one GPU (issue 26)"
+sed 's/^\[training\]$/[training]\nranks = 2/; s/^trials = .*/trials = 4/' studies/gpu.toml \
+  > "$OUT/ranks.toml"
+sed -i 's/^name = "gpu"$/name = "gpu-ranks"/' "$OUT/ranks.toml"
+python3 -m loader_search run "$OUT/ranks.toml" --storage "sqlite:///$OUT/ranks.db" \
+  > "$OUT/ranks.log" 2>&1
+echo "ranks study exit $?"; tail -30 "$OUT/ranks.log"
 
 step "summary"
 python3 - "$OUT" <<'PY'
@@ -70,7 +98,9 @@ import optuna
 out = Path(sys.argv[1])
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 rows = []
-for folder, study_name in (("speedup", "gpu"), ("imagenet", "imagenet-like")):
+for folder, study_name in (
+    ("speedup", "gpu"), ("imagenet", "imagenet-like"), ("imagenet-fast", "imagenet-fast")
+):
     rows.append(f"--- {study_name}")
     try:
         result = json.loads((out / folder / "speedup.json").read_text())["speedup"]
@@ -112,6 +142,19 @@ try:
                     f" {t.values[0] if t.values else 0:,.0f} samples/s")
 except Exception as exc:
     rows.append(f"oom: no result ({exc!r})")
+try:
+    rows.append((out / "steps" / "steps.md").read_text())
+except Exception as exc:
+    rows.append(f"steps: no result ({exc!r})")
+try:
+    study = optuna.load_study(study_name="gpu-ranks", storage=f"sqlite:///{out}/ranks.db")
+    for t in study.trials:
+        a = t.user_attrs
+        rows.append(f"ranks #{t.number}: {t.state.name} {a.get('failure_reason', '')}"
+                    f" {t.values[0] if t.values else 0:,.0f} samples/s ranks {a.get('ranks')}"
+                    f" per rank {a.get('per_rank', {}).get('throughput_samples_per_s')}")
+except Exception as exc:
+    rows.append(f"ranks: no result ({exc!r})")
 text = "\n".join(rows)
 (out / "summary.txt").write_text(text + "\n")
 print(text)

@@ -155,3 +155,29 @@ def test_a_long_study_fits_and_proposes_within_its_space() -> None:
         best = model.best(batch, space).params
         assert best.batch_size == batch
         assert 0 <= best.num_workers <= 8 and 1 <= best.torch_threads <= 8
+
+
+def test_with_ranks_the_model_is_one_ranks_pipeline_on_its_share_times_the_ranks() -> None:
+    # Two ranks on 8 CPUs: each rank is MODEL's pipeline on 4 of them, and the node measures
+    # twice what one rank does (its throughput and its ceiling, as a 2-rank trial stores them).
+    observations = []
+    for workers, threads in [(0, 4), (1, 3), (2, 2), (3, 1)]:
+        params = _params(workers, threads)
+        ceiling, _ = MODEL.ceiling(64, threads)
+        collate = (MODEL.collate_worker_s if workers else MODEL.collate_inline_s) * 64
+        main = (MODEL.main_worker_s if workers else MODEL.main_inline_s) * 64
+        one_rank = MODEL.predict(params).throughput
+        observations.append(
+            Observation(params, 2 * one_rank, 2 * ceiling, MODEL.fetch_s, collate, main)
+        )
+    node = fit(observations, "cpu", 4, ranks=2)
+    assert node is not None and node.ranks == 2
+    assert node.calibration_workers == pytest.approx(1.0)  # nothing left to explain
+    for observation in observations:
+        assert node.predict(observation.params).throughput == pytest.approx(
+            observation.throughput
+        )
+        assert node.ceiling(64, observation.params.torch_threads)[0] == pytest.approx(
+            observation.ceiling / 2
+        )
+    assert PipelineModel.from_dict(node.as_dict()) == node

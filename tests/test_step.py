@@ -191,6 +191,20 @@ def test_bf16_trains_to_the_validation_loss_of_fp32_and_the_same_step_reads_the_
     assert fp32.compile_time_s is None and bf16.skipped_steps is None
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="fp16 autocast with GradScaler needs CUDA (gpu_check.sh)"
+)
+def test_fp16_with_its_gradient_scaler_trains_on_cuda_and_counts_skipped_steps() -> None:
+    params = LoaderParams(64, 0, torch_threads=1)
+    runs = {}
+    for precision in ("fp32", "fp16"):
+        settings = TrainingSettings(train_samples=1024, precision=precision)  # type: ignore[arg-type]
+        runs[precision] = run_trial(_text(), params, settings, device="cuda")
+    fp16 = runs["fp16"]
+    assert fp16.skipped_steps is not None and 0 <= fp16.skipped_steps < 8
+    assert fp16.val_loss == pytest.approx(runs["fp32"].val_loss, rel=0.03)
+
+
 def test_a_compiled_trial_stores_its_compile_time_and_leaves_a_recompilation_out() -> None:
     # 1,056 samples in batches of 64: a last batch of 32, a new shape, compiled again inside
     # the window. That step is left out of the reading, and counted.

@@ -30,6 +30,7 @@ from loader_search.study._fit import (
 from loader_search.study._fit import (
     size_text as _size,
 )
+from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._supervisor import can_isolate
 from loader_search.trial._system import (
     _cgroup_cpu_limit,
@@ -266,16 +267,19 @@ def _shared_memory(config: StudyConfig | None, bytes_per_sample: int | None, cud
                 SHM_FIX,
             )
         return Check(SHARED_MEMORY, "ok", detail)
-    space = config.space.resolve(usable_cpus(), cuda)
-    need = largest_footprint(space, bytes_per_sample)
+    # With ranks, every rank's loader has batches in flight at once: the node's total counts.
+    ranks = resolve_ranks(config.training.ranks, "cuda" if cuda else "cpu")
+    space = config.space.resolve(max(1, usable_cpus() // ranks), cuda)
+    need = largest_footprint(space, bytes_per_sample) * ranks
+    per_rank = f" x {ranks} ranks" if ranks > 1 else ""
     detail += (
         f"; the space's largest setting needs {_size(need)} ({space.num_workers.high} worker(s) x"
         f" prefetch_factor {space.prefetch_factor.high} x batch {max(space.batch_sizes)} x"
-        f" {_size(bytes_per_sample)})"
+        f" {_size(bytes_per_sample)}{per_rank})"
     )
     if need <= size:
         return Check(SHARED_MEMORY, "ok", detail)
-    _, messages = fit_space(space, bytes_per_sample, size)
+    _, messages = fit_space(space, bytes_per_sample, size // ranks)
     if messages:
         return Check(
             SHARED_MEMORY,

@@ -71,6 +71,8 @@ class Guide:
     # The study's loss tolerance (see `tolerance_limit`): rounds 2 and 3 spend trials only
     # where the recommendation may land. None: every batch size is a candidate.
     loss_tolerance: float | None = None
+    # Ranks per trial: ``cpus`` is then one rank's share of the node's (see `PipelineModel`).
+    ranks: int = 1
 
     def observations(self, trials: Sequence[FrozenTrial]) -> list[Observation]:
         """Completed, feasible trials of this machine class trained whole, as the model reads
@@ -102,7 +104,7 @@ class Guide:
         return found
 
     def model(self, trials: Sequence[FrozenTrial]) -> PipelineModel | None:
-        return fit(self.observations(trials), self.device, self.cpus)
+        return fit(self.observations(trials), self.device, self.cpus, self.ranks)
 
     def may_propose(self, trials: Sequence[FrozenTrial]) -> bool:
         """Whether `proposals` may ask for anything: a round is left, and none is queued or

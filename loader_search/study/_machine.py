@@ -98,8 +98,10 @@ def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserEr
     )
 
 
-def fit_to_machine(space: ResolvedSpace, workload: Workload) -> ResolvedSpace:
+def fit_to_machine(space: ResolvedSpace, workload: Workload, ranks: int = 1) -> ResolvedSpace:
     """Drop loader settings whose batches cannot fit in this machine's /dev/shm (the
-    messages land in ``space.notes``), as `loader-search doctor` reports them."""
-    fitted, _ = fit_space(space, sample_bytes(workload), shm_bytes())
+    messages land in ``space.notes``), as `loader-search doctor` reports them; with
+    ``ranks``, each rank's loader gets its share."""
+    size = shm_bytes()
+    fitted, _ = fit_space(space, sample_bytes(workload), size // ranks if size else size)
     return fitted

@@ -109,6 +109,10 @@ class PipelineModel:
     calibration_inline: float = 1.0
     calibration_workers: float = 1.0
     observations: int = 0
+    # Ranks per trial ([training] ranks): the stages, the ceilings and ``cpus`` are one
+    # rank's (its share of the node's CPUs); predictions are the node's, ``ranks`` times one
+    # rank's (the ranks are alike; the all-reduce is in the calibration).
+    ranks: int = 1
 
     # -- predictions -------------------------------------------------------------------
 
@@ -197,7 +201,8 @@ class PipelineModel:
         if self.device == "cpu" and bottleneck == "device":
             bottleneck = "cpus"  # the step shares the CPUs with loading (see BOTTLENECKS)
         calibration = self.calibration_workers if params.num_workers else self.calibration_inline
-        return Prediction(params, raw * calibration, bottleneck, bounds, extrapolated)
+        node = {stage: bound * self.ranks for stage, bound in bounds.items()}
+        return Prediction(params, raw * calibration * self.ranks, bottleneck, node, extrapolated)
 
     def candidates(self, batch_size: int, space: ResolvedSpace) -> list[LoaderParams]:
         """The settings of ``batch_size`` the model tells apart: each worker count with its
@@ -249,6 +254,7 @@ class PipelineModel:
                 calibration_inline=float(data["calibration"]["inline"]),
                 calibration_workers=float(data["calibration"]["workers"]),
                 observations=int(data["observations"]),
+                ranks=int(data.get("ranks", 1)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a stored pipeline model: {exc}") from None
@@ -270,6 +276,7 @@ class PipelineModel:
                 "workers": self.calibration_workers,
             },
             "observations": self.observations,
+            "ranks": self.ranks,
         }
 
 
@@ -292,13 +299,17 @@ def _threads(space: ResolvedSpace, workers: int) -> list[int]:
 
 
 def fit(
-    observations: Sequence[Observation], device: Literal["cpu", "cuda"], cpus: int
+    observations: Sequence[Observation],
+    device: Literal["cpu", "cuda"],
+    cpus: int,
+    ranks: int = 1,
 ) -> PipelineModel | None:
     """The model of what ``observations`` measured, or None before there is enough (a trial
-    with its stage costs and a ceiling reading)."""
+    with its stage costs and a ceiling reading). With ``ranks``, ``cpus`` is one rank's share
+    and the observations' throughputs and ceilings are the node's (see `PipelineModel`)."""
     measured = [o for o in observations if o.has_costs]
     ceilings = tuple(
-        (o.params.batch_size, o.params.torch_threads, o.ceiling)
+        (o.params.batch_size, o.params.torch_threads, o.ceiling / ranks)
         for o in observations
         if o.ceiling is not None and o.ceiling > 0
     )
@@ -326,6 +337,7 @@ def fit(
         main_inline_s=_or_scaled(main_inline, main_worker, 1 / QUEUE_RECEIVE),
         ceilings=ceilings,
         observations=len(measured),
+        ranks=ranks,
     )
     inline_ratios: list[float] = []
     worker_ratios: list[float] = []

@@ -55,8 +55,9 @@ __all__ = ["init_study", "prepare_session", "run_study", "run_worker"]
 DEFAULT_STUDY_NAME = "loader-search"
 
 
-def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
-    """Refuse a training budget too small to measure the largest batch size's steady state."""
+def check_budget(settings: TrainingSettings, space: ResolvedSpace, ranks: int = 1) -> None:
+    """Refuse a training budget too small to measure the largest batch size's steady state
+    (on each of ``ranks`` ranks, which share the budget)."""
     batch = max(space.batch_sizes)
     worst = LoaderParams(
         batch_size=batch,
@@ -64,12 +65,14 @@ def check_budget(settings: TrainingSettings, space: ResolvedSpace) -> None:
         prefetch_factor=space.prefetch_factor.high if space.num_workers.high else None,
     )
     needed = batches_needed(worst, settings.warmup_batches)
-    if math.ceil(settings.train_samples / batch) < needed:
+    if math.ceil(settings.train_samples / ranks / batch) < needed:
+        per_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
         raise UserError(
             f"training.train_samples = {settings.train_samples} is too small: batch size"
             f" {batch} with {worst.num_workers} workers x prefetch {worst.prefetch_factor}"
-            f" needs {needed} batches (warm-up + {MIN_MEASURED_BATCHES} measured); raise it to"
-            f" at least {needed * batch} or lower space.batch_size / prefetch_factor max"
+            f" needs {needed} batches{per_rank} (warm-up + {MIN_MEASURED_BATCHES} measured);"
+            f" raise it to at least {needed * batch * ranks} or lower space.batch_size /"
+            " prefetch_factor max"
         )
 
 
@@ -354,7 +357,7 @@ def prepare_session(
     space = config.space.resolve(max(1, ncpus // ranks), cuda=cuda)
     mixed: list[str] = []
     if existing is None:
-        check_budget(config.training, space)
+        check_budget(config.training, space, ranks)
     elif hardware is not None:
         mixed = check_hardware(existing.study, hardware, allow_mixed)  # before the build
     if workload is None:
@@ -364,7 +367,7 @@ def prepare_session(
     else:
         spec = f"python:{workload.name}"  # built in memory by the caller
     if hardware is not None:
-        space = fit_to_machine(space, workload)
+        space = fit_to_machine(space, workload, ranks)
     notes = [*space.notes, *mixed]
 
     shown = mask_url(url)

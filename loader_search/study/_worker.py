@@ -95,6 +95,7 @@ from loader_search.team._locks import host_lock, study_lock
 from loader_search.team._storage import outage, retrying
 from loader_search.trial._failures import TrialOutcome
 from loader_search.trial._job import TrialJob
+from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._supervisor import run_isolated
 
 MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `_hold_limit`)
@@ -295,12 +296,14 @@ def _guide(session: Session, loss_tolerance: float) -> Guide | None:
         return None
     hardware = session.hardware
     cuda = session.device.type == "cuda"
+    ranks = resolve_ranks(session.config.training.ranks, session.device)
     return Guide(
         session.space,
         "cuda" if cuda else "cpu",
-        hardware.usable_cpus,
+        max(1, hardware.usable_cpus // ranks),  # a rank's share, as the space's
         hardware.hardware_class,
         loss_tolerance,
+        ranks=ranks,
     )
 
 

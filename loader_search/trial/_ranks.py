@@ -265,6 +265,7 @@ def merge(results: list[TrialResult]) -> TrialResult:
             main.ceiling_samples_per_s * world if main.ceiling_samples_per_s else None
         ),
         full_window_throughput_samples_per_s=None,
+        short_samples=main.short_samples * world if main.short_samples else None,
         ranks=world,
         per_rank=per_rank,
     )

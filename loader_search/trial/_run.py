@@ -221,6 +221,8 @@ def run_trial(
         model = workload.make_model().to(device)
         plain = model  # without DDP: what rank 0 evaluates and reads the ceiling of
         if rank is not None:
+            if settings.channels_last:  # before DDP lays out its gradient buckets
+                plain = model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
             model = wrap_model(model, device)
         step = Step(workload, settings, model, device, pin_memory=params.pin_memory)
         optimizer = workload.make_optimizer(step.module.parameters(), lr)
