@@ -18,14 +18,12 @@ import stat
 import tempfile
 from pathlib import Path
 
+from loader_search._inherited import remember_lock_file
 from loader_search.errors import UserError
 
 LOCK_DIR_ENV = "LOADER_SEARCH_LOCK_DIR"
 _OPEN_TRIES = 10  # a lock file removed and re-created under us this often in a row: give up
 _FIX_FOLDER = f"remove it, or set {LOCK_DIR_ENV} to a folder you own"
-# Every lock file this process (or the one it was forked from) opened, as (device, inode):
-# what `close_inherited_locks` closes in a forked trial and its loader workers.
-_LOCK_FILES: set[tuple[int, int]] = set()
 
 
 def lock_dir() -> Path:
@@ -187,7 +185,7 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
         else:
             if share:  # our own new file; the umask may have narrowed it
                 os.fchmod(fd, 0o666)
-            return _remembered(fd)
+            return remember_lock_file(fd)
         try:
             fd = os.open(name, flags, dir_fd=folder_fd)
         except FileNotFoundError:
@@ -208,7 +206,7 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
         except BaseException:
             os.close(fd)
             raise
-        return _remembered(fd)
+        return remember_lock_file(fd)
     raise UserError(
         f"cannot open the lock file {shown}: it was removed {_OPEN_TRIES} times in a row as it"
         " was opened; find what keeps removing it"
@@ -228,42 +226,6 @@ def _unreadable(folder_fd: int, name: str, shown: Path) -> UserError:
         f" remove it (lock files must be readable by every user), or set {LOCK_DIR_ENV} to a"
         " folder of your own"
     )
-
-
-def _remembered(fd: int) -> int:
-    info = os.fstat(fd)
-    _LOCK_FILES.add((info.st_dev, info.st_ino))
-    return fd
-
-
-def close_inherited_locks() -> int:
-    """Close this process's descriptors of the lock files `open_lock_file` opened, here or in
-    the process this one was forked from; how many were closed.
-
-    For a process forked while a lock was held (a trial, a loader worker of a trial): a
-    ``flock`` belongs to the open file, which a forked child shares, so any copy keeps the
-    lock for as long as it lives, whoever took it. A loader worker that hung in the dataset
-    kept the host lock of a SIGKILLed run (and so every later trial on the machine) until
-    it was killed by hand. The child never takes a lock through these copies; closing them
-    leaves the parent's locks alone (a ``flock`` is released when its last copy closes, a
-    ``lockf`` only by a close in its own process). Linux only (``/proc``), like forked trials.
-    """
-    if not _LOCK_FILES:
-        return 0
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    closed = 0
-    for name in names:
-        try:
-            info = os.fstat(int(name))
-        except OSError:  # the listing's own descriptor, closed since
-            continue
-        if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) in _LOCK_FILES:
-            os.close(int(name))
-            closed += 1
-    return closed
 
 
 def _check_lock_file(shown: Path, info: os.stat_result) -> None:

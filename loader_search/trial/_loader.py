@@ -21,8 +21,8 @@ from torch.utils.data import (
     default_collate,
 )
 
+from loader_search._inherited import close_inherited_locks
 from loader_search.params import LoaderParams
-from loader_search.team._lockfiles import close_inherited_locks
 
 
 def build_loader(

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from loader_search import interrupts
+from loader_search._inherited import close_inherited_locks
 from loader_search.params import TrialLimits
-from loader_search.team._lockfiles import close_inherited_locks
 from loader_search.trial._failures import (
     HOST_OOM,
     TIMEOUT,
