@@ -174,9 +174,7 @@ def test_with_ranks_the_model_is_one_ranks_pipeline_on_its_share_times_the_ranks
     assert node is not None and node.ranks == 2
     assert node.calibration_workers == pytest.approx(1.0)  # nothing left to explain
     for observation in observations:
-        assert node.predict(observation.params).throughput == pytest.approx(
-            observation.throughput
-        )
+        assert node.predict(observation.params).throughput == pytest.approx(observation.throughput)
         assert node.ceiling(64, observation.params.torch_threads)[0] == pytest.approx(
             observation.ceiling / 2
         )
