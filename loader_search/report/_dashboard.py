@@ -43,7 +43,7 @@ from loader_search.study._points import is_feasible
 
 if TYPE_CHECKING:
     # Only in BaseStorage's own signatures: Optuna exports no public name for it.
-    from optuna.study._frozen import FrozenStudy
+    from loader_search.study._optuna_compat import FrozenStudy
 
 # The system attribute optuna-dashboard reads constraints from (Optuna < 5 wrote it).
 _LEGACY_CONSTRAINTS_KEY = "constraints"

@@ -42,6 +42,7 @@ from loader_search.study._keys import (
     VAL_LOSS_FROM,
     stored_params,
 )
+from loader_search.study._optuna_compat import study_storage, trial_id
 from loader_search.study._plan import Reuse
 from loader_search.study._trials import write_user_attrs
 from loader_search.team._storage import retrying
@@ -265,7 +266,7 @@ def _set_constraint(
 ) -> None:
     def write() -> None:
         # First write wins in Optuna; a retry after a lost acknowledgement must not warn.
-        if CONSTRAINT not in trial.storage.get_trial(trial._trial_id).constraints:
+        if CONSTRAINT not in trial.storage.get_trial(trial_id(trial)).constraints:
             trial.set_constraint(CONSTRAINT, value)
 
     retrying(write, deadline_s=retry_s, on_retry=on_retry)
@@ -286,7 +287,7 @@ def tell(
         try:
             study.tell(trial, values=list(values) if values else None, state=state)
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-            stored = study._storage.get_trial(trial._trial_id)
+            stored = study_storage(study).get_trial(trial_id(trial))
             if stored.state == state:
                 return
             if stored.state.is_finished():  # finished by someone else: a sweeper

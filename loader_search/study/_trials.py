@@ -3,8 +3,9 @@
 Optuna writes each user attribute in a transaction of its own: a recorded trial's ~30
 attributes cost ~30 commits, ~90 statements. `write_user_attrs` writes them in one, through
 two private pieces of Optuna's `RDBStorage` (``_set_trial_attr_without_commit``, the statement
-behind ``set_trial_user_attr``, and ``_create_scoped_session``); where a storage lacks them it
-falls back to the public call, with the same result, slower.
+behind ``set_trial_user_attr``, and ``_create_scoped_session``, both through
+`loader_search.study._optuna_compat`); where a storage lacks them it falls back to the public
+call, with the same result, slower.
 
 (Reads need no such help: Optuna wraps an `RDBStorage` in its `_CachedStorage`, which keeps
 finished trials and fetches only unfinished and new ones.)
@@ -17,6 +18,8 @@ from typing import Any
 
 import optuna
 
+from loader_search.study._optuna_compat import cached_frozen_trial, rdb_attr_writer, trial_id
+
 
 def write_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
     """Set every one of ``attrs`` on a running ``trial`` in one transaction: all or none.
@@ -24,18 +27,13 @@ def write_user_attrs(trial: optuna.Trial, attrs: Mapping[str, Any]) -> None:
     Raises what ``trial.set_user_attr`` raises (`optuna.exceptions.UpdateFinishedTrialError`
     for a finished trial, `optuna.exceptions.StorageInternalError` for a failed commit)."""
     # Under Optuna's cache (which keeps no unfinished trial), the database storage itself.
-    storage = getattr(trial.storage, "_backend", trial.storage)
-    write = getattr(storage, "_set_trial_attr_without_commit", None)
-    scoped = getattr(storage, "scoped_session", None)
-    if write is None or scoped is None:
+    with rdb_attr_writer(trial.storage) as write:
+        if write is None:
+            for key, value in attrs.items():
+                trial.set_user_attr(key, value)
+            return
+        number = trial_id(trial)
         for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        return
-    from optuna.storages._rdb import models
-    from optuna.storages._rdb.storage import _create_scoped_session
-
-    with _create_scoped_session(scoped) as session:
-        for key, value in attrs.items():
-            write(session, models.TrialUserAttributeModel, trial._trial_id, key, value)
+            write(number, key, value)
     # What `trial.user_attrs` reads: Optuna's Trial keeps a copy of the stored trial.
-    trial._cached_frozen_trial.user_attrs.update(attrs)
+    cached_frozen_trial(trial).user_attrs.update(attrs)

@@ -78,6 +78,7 @@ from loader_search.study._keys import (
     study_budget,
 )
 from loader_search.study._machine import hardware_mismatch
+from loader_search.study._optuna_compat import trial_id
 from loader_search.study._plan import plan_trial
 from loader_search.study._points import is_feasible, pareto_front, trial_points
 from loader_search.study._record import (
@@ -172,7 +173,7 @@ def _take_trial(
         _queue(session, decision)
         trial = study.ask()
         try:
-            session.rdb.record_heartbeat(trial._trial_id)
+            session.rdb.record_heartbeat(trial_id(trial))
         except BaseException:
             with contextlib.suppress(Exception):
                 study.tell(trial, state=TrialState.FAIL)
@@ -482,7 +483,7 @@ def _run_one(worker: _Worker, trial: optuna.Trial, params: LoaderParams, clock: 
     study = session.study
     heartbeat = Every(
         session.config.workers.heartbeat_interval_s,
-        lambda: session.rdb.record_heartbeat(trial._trial_id),
+        lambda: session.rdb.record_heartbeat(trial_id(trial)),
         lambda error: worker.reporter.warning(
             f"cannot write trial #{trial.number}'s heartbeat: {error}"
         ),
