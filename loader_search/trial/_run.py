@@ -34,6 +34,7 @@ from loader_search.params import (
 )
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
+from loader_search.trial._pages import own_pages
 from loader_search.trial._ranks import (
     RankContext,
     distributed_sampler,
@@ -228,6 +229,10 @@ def run_trial(
         optimizer = workload.make_optimizer(step.module.parameters(), lr)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        if params.num_workers == 0 or params.backend == "thread":
+            # This process loads its own samples: their pages are made its own first, as a
+            # fresh training script's are (the trial is forked; see trial._pages).
+            own_pages(workload.train_dataset)
         with PeakRSS() as rss:
             train_start = time.perf_counter()
             train_dataset = timed_dataset(workload.train_dataset)
