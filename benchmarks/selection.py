@@ -38,7 +38,12 @@ B = LoaderParams(64, 1, 2, False, True, 1)
 SETTINGS = ConfirmSettings(
     top=2, min_rounds=3, max_rounds=15, half_width=0.05, loss_tolerance=0.05
 )
-CASES = {"equal": (1.3, 1.3), "close": (1.3, 1.2), "apart": (1.3, 0.9)}
+CASES = {
+    "equal": (1.3, 1.3),
+    "close": (1.3, 1.2),
+    "apart": (1.3, 0.9),
+    "near 1": (1.15, 1.1),  # the quickstart's regime: the stop rule binds
+}
 NOISE = (0.08, 0.15)  # each reading's own log-normal noise
 
 
