@@ -323,3 +323,50 @@ def test_engine_options_keep_a_timeout_the_url_sets() -> None:
             assert connection.connect_timeout == expected
         finally:
             connection.close()
+
+
+def test_a_password_file_completes_a_server_url_and_never_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$LOADER_SEARCH_STORAGE_PASSWORD_FILE`` (a Docker secret): a real MariaDB user with a
+    password, reached by a URL without it. (PostgreSQL here trusts every local login, so
+    only MariaDB checks the password.)"""
+    require_database(MARIADB_URL)
+    user, secret = f"ls_pw_{os.getpid()}", "s3cret-from-a-file"
+    admin = sqlalchemy.create_engine(MARIADB_URL)
+    with scratch_database(MARIADB_URL) as url:
+        database = make_url(url).database
+        with admin.begin() as connection:
+            # (pymysql formats statements with %: the host wildcard is written %%.)
+            connection.exec_driver_sql(f"CREATE USER '{user}'@'%%' IDENTIFIED BY '{secret}'")
+            connection.exec_driver_sql(f"GRANT ALL ON `{database}`.* TO '{user}'@'%%'")
+        try:
+            bare = make_url(url).set(username=user, password=None).render_as_string(False)
+            password_file = tmp_path / "password"
+            password_file.write_text(secret + "\n")
+            monkeypatch.setenv(storage_module.PASSWORD_FILE_ENV, str(password_file))
+            monkeypatch.setenv(STORAGE_ENV, bare)
+            resolved = resolve_storage_url(None)
+            assert make_url(resolved).password == secret
+            open_storage(resolved).get_all_studies()  # the server took the password
+            assert resolve_storage_url(bare) == resolved  # --storage alike
+            assert secret not in mask_url(resolved)
+            # A URL with a password of its own, and SQLite, are left as they are.
+            own = make_url(url).set(username=user, password="other").render_as_string(False)
+            assert resolve_storage_url(own) == own
+            assert resolve_storage_url("sqlite:///x.db") == "sqlite:///x.db"
+            # A wrong password fails in one line without it; a missing or empty file too.
+            password_file.write_text("wrong-password")
+            with pytest.raises(UserError) as wrong:
+                open_storage(resolve_storage_url(None))
+            assert "wrong-password" not in str(wrong.value)
+            for content in (None, "", "two\nlines"):
+                password_file.unlink(missing_ok=True)
+                if content is not None:
+                    password_file.write_text(content)
+                with pytest.raises(UserError, match="LOADER_SEARCH_STORAGE_PASSWORD_FILE"):
+                    resolve_storage_url(None)
+        finally:
+            with admin.begin() as connection:
+                connection.exec_driver_sql(f"DROP USER IF EXISTS '{user}'@'%%'")
+            admin.dispose()

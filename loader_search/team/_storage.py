@@ -1,8 +1,9 @@
 """Where studies live: resolving, masking and opening storage URLs.
 
 Default is a SQLite file in the current directory (zero set-up). ``--storage`` on the command
-line wins over ``LOADER_SEARCH_STORAGE``, which wins over the default. Passwords never leave
-this module unmasked: every URL shown to a user goes through `mask_url`.
+line wins over ``LOADER_SEARCH_STORAGE``, which wins over the default; a server URL without a
+password takes it from the file ``LOADER_SEARCH_STORAGE_PASSWORD_FILE`` names. Passwords never
+leave this module unmasked: every URL shown to a user goes through `mask_url`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 DEFAULT_STORAGE = "sqlite:///loader_search.db"
 STORAGE_ENV = "LOADER_SEARCH_STORAGE"
+PASSWORD_FILE_ENV = "LOADER_SEARCH_STORAGE_PASSWORD_FILE"
+_MAX_PASSWORD_BYTES = 4096
 
 # How long a database server may take to answer a new connection: the TCP connect, the
 # greeting and the login. A server or proxy that accepts the connection and then says nothing
@@ -68,12 +71,48 @@ _EXTRAS = {"postgresql": ("postgres", "postgresql+psycopg"), "mysql": ("mysql", 
 
 
 def resolve_storage_url(cli_value: str | None) -> str:
-    """The storage URL to use: the CLI's, else the environment's, else the SQLite default."""
+    """The storage URL to use: the CLI's, else the environment's, else the SQLite default;
+    a server URL without a password takes the one in ``$LOADER_SEARCH_STORAGE_PASSWORD_FILE``
+    (see `with_password_file`)."""
     if cli_value is not None:
         if not cli_value.strip():
             raise UserError("--storage is empty: give a database URL, or leave it out")
-        return cli_value
-    return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+        return with_password_file(cli_value)
+    return with_password_file(os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE)
+
+
+def with_password_file(url: str) -> str:
+    """``url`` with the password read from the file ``$LOADER_SEARCH_STORAGE_PASSWORD_FILE``
+    names, when it is set and ``url`` is a server's URL without a password of its own.
+
+    For containers: a password in an environment variable shows in ``docker inspect``; one in
+    a file (a Docker secret, mounted at ``/run/secrets/...``) does not. The file holds the
+    password alone; a trailing newline is dropped."""
+    path = os.environ.get(PASSWORD_FILE_ENV, "")
+    if not path:
+        return url
+    try:
+        parsed = make_url(url)
+    except (sqlalchemy.exc.ArgumentError, ValueError):
+        return url  # not a URL: opening it says so
+    if parsed.password is not None or parsed.get_backend_name() == "sqlite":
+        return url
+    try:
+        with open(path, "rb") as file:
+            data = file.read(_MAX_PASSWORD_BYTES + 1)
+        password = data.decode("utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise UserError(
+            f"{PASSWORD_FILE_ENV}={path}: cannot read the database password ({reason}); fix the"
+            " file's path or permissions, or unset the variable"
+        ) from None
+    if not password or len(data) > _MAX_PASSWORD_BYTES or "\n" in password:
+        raise UserError(
+            f"{PASSWORD_FILE_ENV}={path}: the file must hold the password alone, on one line"
+            f" (at most {_MAX_PASSWORD_BYTES} bytes)"
+        )
+    return parsed.set(password=password).render_as_string(hide_password=False)
 
 
 def db_timeout_s() -> float:
