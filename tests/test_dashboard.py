@@ -23,7 +23,7 @@ import optuna
 import pytest
 
 from loader_search.study._keys import METRIC_NAMES
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, invoke, run_cli
 from tests.test_report import build_study
 
 pytest.importorskip("optuna_dashboard", reason="pip install 'loader-search[dashboard]'")
@@ -159,6 +159,44 @@ def test_dashboard_answers_only_its_own_host_names(
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 403
+
+
+def _status(app: Any, host_header: str) -> str:
+    """The status line ``app`` (WSGI) answers a request with ``Host: host_header``."""
+    seen: list[str] = []
+    app({"HTTP_HOST": host_header}, lambda status, headers: seen.append(status))
+    return seen[0]
+
+
+def test_bound_to_every_address_it_can_still_answer_only_the_names_it_was_given() -> None:
+    """In a container the dashboard listens on 0.0.0.0 while its port is published on the
+    host's 127.0.0.1 only: ``--allow-host`` keeps the DNS-rebinding check there."""
+    from loader_search.report._dashboard import host_checked
+
+    def ok(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [])
+        return [b""]
+
+    checked = host_checked(ok, "0.0.0.0", ["127.0.0.1"])
+    for allowed in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080", "127.0.0.1"):
+        assert _status(checked, allowed) == "200 OK", allowed
+    for foreign in ("evil.example:8080", "evil.example", "127.0.0.1.evil.example"):
+        assert _status(checked, foreign).startswith("403"), foreign
+    assert _status(host_checked(ok, "0.0.0.0"), "evil.example") == "200 OK"  # as before
+    named = host_checked(ok, "0.0.0.0", ["dash.example"])
+    assert _status(named, "dash.example:443") == "200 OK"
+    assert _status(named, "localhost:8080").startswith("403")
+
+
+def test_a_bad_allowed_host_is_one_line(tmp_path: Path) -> None:
+    for bad in ("http://x", "host:8080", "a b", ""):
+        result = invoke(
+            "dashboard", "--allow-host", bad, "--storage", f"sqlite:///{tmp_path / 'x.db'}"
+        )
+        assert result.returncode == 2, (bad, result.stdout, result.stderr)
+        output = result.stdout + result.stderr
+        assert "--allow-host" in output and "Traceback" not in output
+        assert not (tmp_path / "x.db").exists()  # refused before the storage is opened
 
 
 def test_the_note_is_written_without_loading_the_dashboard_app() -> None:

@@ -386,18 +386,34 @@ def dashboard(
     port: Annotated[
         int, typer.Option("--port", help="Port to listen on; 0 picks a free one.")
     ] = 8080,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            help="A Host header to answer (repeat for more); others get 403. Default: the"
+            " --host address (and its loopback names), or any with --host 0.0.0.0.",
+        ),
+    ] = None,
 ) -> None:
     """Start optuna-dashboard on the studies' storage (Ctrl-C to stop).
 
     Objective names and every measured trial attribute are shown; infeasible trials are never
     on its Pareto front. On a remote machine: ssh -L 8080:127.0.0.1:8080 HOST, then open
-    http://127.0.0.1:8080/dashboard/ locally.
+    http://127.0.0.1:8080/dashboard/ locally. In a container that publishes its port on the
+    host's 127.0.0.1: --host 0.0.0.0 --allow-host 127.0.0.1 --allow-host localhost.
     """
     from loader_search.report._dashboard import serve
     from loader_search.team._storage import open_storage, resolve_storage_url
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must be between 1 and 65535 (0: any free port)")
+    for name in allow_host or ():
+        bare = name.strip("[]")
+        if not bare or any(c.isspace() or c in "/@" for c in bare) or bare.count(":") == 1:
+            raise UserError(
+                f"--allow-host {name!r}: give a host name or address as a browser sends it,"
+                " without scheme, port or path (e.g. --allow-host localhost)"
+            )
     url = resolve_storage_url(storage)
     rdb = open_storage(url, must_exist=True)
     serve(
@@ -405,6 +421,7 @@ def dashboard(
         host,
         port,
         on_ready=lambda address: print_dashboard_ready(mask_url(url), address, host),
+        allowed_hosts=allow_host or (),
     )
     console.print("Dashboard stopped.")
 

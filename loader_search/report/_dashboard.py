@@ -190,14 +190,19 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
 
 
-def host_checked(app: Any, host: str) -> Any:
+def host_checked(app: Any, host: str, allowed_hosts: Sequence[str] = ()) -> Any:
     """``app`` answering only requests addressed to the host it is bound to (and, bound to
     loopback, to its other loopback names): a web page elsewhere that points its own host
     name at 127.0.0.1 (DNS rebinding) gets 403 instead of the studies. Bound to every
-    address (``--host 0.0.0.0``), the operator chose to expose it: any Host is served."""
-    if host in ANY_ADDRESS:
+    address (``--host 0.0.0.0``), the operator chose to expose it: any Host is served, unless
+    ``allowed_hosts`` names the ones to serve (a container publishes its port on the host's
+    127.0.0.1, but must listen on 0.0.0.0 inside)."""
+    if allowed_hosts:
+        allowed = {name.strip("[]").lower() for name in allowed_hosts}
+    elif host in ANY_ADDRESS:
         return app
-    allowed = {host.strip("[]").lower()}
+    else:
+        allowed = {host.strip("[]").lower()}
     if allowed & LOOPBACK_NAMES:
         allowed |= LOOPBACK_NAMES
 
@@ -217,11 +222,13 @@ def serve(
     host: str,
     port: int,
     on_ready: Callable[[str], None] = lambda url: None,
+    allowed_hosts: Sequence[str] = (),
 ) -> None:
     """Serve optuna-dashboard for ``storage`` on ``host:port`` until Ctrl-C.
 
     ``on_ready`` gets the dashboard's URL once the port is bound (``port=0`` picks a free
-    one). Ctrl-C stops the server and returns normally.
+    one); ``allowed_hosts``: the Host headers it answers (see `host_checked`). Ctrl-C stops
+    the server and returns normally.
     """
     try:
         import optuna_dashboard
@@ -230,7 +237,7 @@ def serve(
 
     view = FeasibilityAwareStorage(storage)
     with feasible_pareto_front():
-        app = host_checked(optuna_dashboard.wsgi(view), host)
+        app = host_checked(optuna_dashboard.wsgi(view), host, allowed_hosts)
         try:
             server = make_server(
                 host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler
