@@ -33,7 +33,7 @@ from benchmarks.ground_truth import QUICKSTART, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._confirm import paired_speedup
-from loader_search.study._keys import is_confirmation
+from loader_search.study._keys import is_confirmation, stored_params
 from loader_search.study._session import run_study
 
 
@@ -86,6 +86,20 @@ def confirmation_share(storage: str, name: str) -> dict[str, float]:
     return {"trials_s": total, "confirmation_s": confirming, "share": confirming / total}
 
 
+def confirmation_readings(
+    storage: str, name: str, settings: dict[str, LoaderParams]
+) -> dict[str, list[float]]:
+    """What the study's confirmation rounds read of each of ``settings`` (samples/s)."""
+    study = optuna.load_study(study_name=name, storage=storage)
+    wanted = {params: key for key, params in settings.items()}
+    found: dict[str, list[float]] = {key: [] for key in settings}
+    for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE]):
+        params = stored_params(trial)
+        if is_confirmation(trial) and params in wanted and trial.values:
+            found[wanted[params]].append(trial.values[0])
+    return found
+
+
 def one_study(
     config_path: Path,
     config: StudyConfig,
@@ -125,8 +139,19 @@ def one_study(
     measured = side_by_side(config_path, config, base.params, rec.point.params, rounds, window)
     truth = measured["speedup"]
     low, high = result["claim_ci95"] or (None, None)
+    # Each setting as the study read it against the reference loop afterwards: a runner that
+    # reads one setting low shows here (the medians; machine state moves both alike).
+    study_read = confirmation_readings(
+        storage, str(config.name), {"baseline": base.params, "recommended": rec.point.params}
+    )
     return {
         **result,
+        "study_readings": study_read,
+        "study_over_reference": {
+            key: statistics.median(values) / statistics.median(measured["readings"][key])
+            for key, values in study_read.items()
+            if values
+        },
         "side_by_side": measured,
         "side_by_side_s": time.perf_counter() - started,
         "claim_error": rec.speedup_vs_baseline / truth - 1,  # type: ignore[operator]

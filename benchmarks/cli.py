@@ -361,6 +361,10 @@ def claims_section(result: dict[str, Any]) -> str:
                 "study_s": r["study_s"],
                 "share": r["confirmation"]["share"],
                 "blocks": {True: "disagree", False: "agree", None: "-"}[r["blocks_disagree"]],
+                "runner": " / ".join(
+                    f"{r.get('study_over_reference', {}).get(k, float('nan')):.2f}"
+                    for k in ("baseline", "recommended")
+                ),
             }
         )
     columns = [
@@ -377,6 +381,7 @@ def claims_section(result: dict[str, Any]) -> str:
         ("study_s", "study s", ".0f"),
         ("share", "confirmation share", ".0%"),
         ("blocks", "blocks", ""),
+        ("runner", "study / reference (baseline / recommended)", ""),
     ]
     summary = "No study recommended anything but its baseline."
     if result["checked"]:
