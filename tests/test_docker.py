@@ -1,11 +1,12 @@
 """The Docker setup (docker-compose.yml, docker/Dockerfile, .env.example), without a Docker engine.
 
 The compose file is read as Docker Compose reads it (YAML, then ``${VAR}`` interpolation from
-``.env``) and its structure checked: services and their order, healthchecks, GPU reservation,
-``/dev/shm``, the shared host-lock folder, published ports, no secrets. Then the containers'
-own commands run here, in their order, against a real PostgreSQL: ``init``, two ``worker``s
-side by side, then the ``dashboard`` and its healthcheck, so that the orchestration itself is
-exercised, not only its description.
+``.env``) and its structure checked: services and their order, healthchecks, GPU reservation
+(and the CPU override), ``/dev/shm``, the shared host-lock folder, published ports, the
+password as a secret's file. Then the containers' own commands run here, in their order,
+against a real PostgreSQL: ``init``, two ``worker``s side by side, then the ``dashboard`` and
+its healthcheck, so that the orchestration itself is exercised, not only its description.
+The images and the stack themselves run in scripts/compose_check.sh (a Docker engine).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.test_dashboard import _get, _read_line
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 ENV_EXAMPLE = ROOT / ".env.example"
-APP_SERVICES = ("init", "dashboard", "worker")  # the services that run loader-search
+APP_SERVICES = ("init", "dashboard", "worker", "worker-cpu")  # they run loader-search
 
 
 # --- Compose's interpolation (compose-spec: ${VAR}, ${VAR:-default}, ${VAR:?error}, $$) --------
@@ -217,58 +218,78 @@ def test_workers_get_gpus_shared_memory_and_the_host_lock() -> None:
     assert re.fullmatch(r"postgres:\d+[\w.-]*", postgres["image"])  # pinned major version
 
 
+def test_no_default_nests_a_variable() -> None:
+    """Compose v1 (Debian 12's docker-compose 1.29) reads ``${A:-x${B}y}`` as ``${A:-x${B}``
+    then ``y}``: the bundled database's URL, which nested its user and database name, came
+    out as ``...//${POSTGRES_USER:...`` (found by scripts/compose_check.sh). Compose v2
+    nests; a file both read nests nothing."""
+    for default in re.findall(r"\$\{[A-Za-z_]+:?[-?+]([^}]*)\}", COMPOSE.read_text()):
+        assert "${" not in default, default
+
+
 def test_published_ports_are_local_by_default() -> None:
-    for env in (read_env_file(ENV_EXAMPLE), {"POSTGRES_PASSWORD": "x"}):  # .env, or nothing
+    for env in (read_env_file(ENV_EXAMPLE), {}):  # .env, or nothing
         services = compose(env)["services"]
         published = [p for s in services.values() for p in s.get("ports", [])]
         assert len(published) == 2  # postgres and the dashboard
         for port in published:
             assert port.startswith("127.0.0.1:"), port
-    team = compose({"POSTGRES_PASSWORD": "x", "POSTGRES_BIND": "10.0.0.5"})
+    team = compose({"POSTGRES_BIND": "10.0.0.5"})
     assert team["services"]["postgres"]["ports"] == ["10.0.0.5:5432:5432"]
 
 
-def test_no_secrets_in_the_compose_file() -> None:
+def test_the_cpu_worker_is_the_worker_without_its_gpu_reservation() -> None:
+    """On a machine without NVIDIA GPUs Docker cannot start `worker`: `worker-cpu` (profile
+    cpu) is the same service without the reservation (scripts/compose_check.sh runs it)."""
+    services = compose()["services"]
+    gpu, cpu = dict(services["worker"]), dict(services["worker-cpu"])
+    assert "deploy" in gpu and "deploy" not in cpu
+    assert cpu.pop("profiles") == ["cpu"] and "profiles" not in gpu
+    gpu.pop("deploy")
+    assert cpu == gpu
+
+
+SECRET_PATH = "/run/secrets/postgres_password"
+
+
+def test_the_password_is_a_secrets_file_never_a_variable() -> None:
+    """``docker inspect`` shows a container's environment: the password must not be in it.
+    It is a Docker secret (a file) that PostgreSQL and loader-search read by path."""
     text = COMPOSE.read_text()
-    services = raw_compose()["services"]
+    document = compose({})
+    services = document["services"]
     for name, service in services.items():
         for key, value in service.get("environment", {}).items():
             if re.search(r"PASSWORD|SECRET|TOKEN", key):
-                # Only from the environment (.env), with no default to fall back on.
-                assert re.fullmatch(r"\$\{[A-Z_]+(:?\?[^}]*)?\}", value), (name, key, value)
-    # A secret's variable has no default to fall back on, anywhere.
-    secrets = re.findall(r"\$\{(\w*(?:PASSWORD|SECRET|TOKEN)\w*)([^}]*)\}", text)
-    assert secrets
-    for name, rest in secrets:
-        assert rest == "" or rest.startswith((":?", "?")), f"${{{name}{rest}}}"
-    # Every URL's password is the variable's value, never a literal or a default.
-    resolved_text = yaml.safe_dump(compose({"POSTGRES_PASSWORD": "PW-FROM-ENV"}))
-    passwords = re.findall(r"://[^:/@\s'\"]+:([^@\s'\"]+)@", resolved_text)
-    assert passwords and set(passwords) == {"PW-FROM-ENV"}
-    assert "change-me" not in text
-    # Without a password, compose refuses to start (instead of an empty one).
-    with pytest.raises(MissingVariable, match="POSTGRES_PASSWORD"):
-        compose({})
-    # The workers' storage URL carries the same credentials as the bundled database.
-    env = {"POSTGRES_PASSWORD": "s3cret"}
-    resolved = compose(env)["services"]
-    url = "postgresql+psycopg://loader:s3cret@postgres:5432/loader_search"
+                assert key.endswith("_FILE") and value == SECRET_PATH, (name, key, value)
+        assert "postgres_password" in service.get("secrets", []), name
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"] == SECRET_PATH
     for name in APP_SERVICES:
-        assert resolved[name]["environment"]["LOADER_SEARCH_STORAGE"] == url
-    assert resolved["postgres"]["environment"]["POSTGRES_USER"] == "loader"
-    assert resolved["postgres"]["environment"]["POSTGRES_DB"] == "loader_search"
-    team = compose({**env, "LOADER_SEARCH_STORAGE": "postgresql+psycopg://t:p@db/x"})
+        environment = services[name]["environment"]
+        assert environment["LOADER_SEARCH_STORAGE_PASSWORD_FILE"] == SECRET_PATH
+        url = environment["LOADER_SEARCH_STORAGE"]
+        assert url == "postgresql+psycopg://loader@postgres:5432/loader_search"
+    assert services["postgres"]["environment"]["POSTGRES_USER"] == "loader"
+    assert services["postgres"]["environment"]["POSTGRES_DB"] == "loader_search"
+    # No URL anywhere carries a password; the secret's file defaults under ./secrets/.
+    assert not re.findall(r"://[^:/@\s'\"]+:[^@\s'\"]+@", yaml.safe_dump(document))
+    assert document["secrets"]["postgres_password"] == {"file": "./secrets/postgres_password"}
+    other = compose({"POSTGRES_PASSWORD_FILE": "/etc/team/pw"})
+    assert other["secrets"]["postgres_password"] == {"file": "/etc/team/pw"}
+    assert "change-me" not in text
+    team = compose({"LOADER_SEARCH_STORAGE": "postgresql+psycopg://t@db/x"})
     assert team["services"]["worker"]["environment"]["LOADER_SEARCH_STORAGE"].endswith("@db/x")
+    # The secret's folder is never committed nor sent into an image.
+    assert "/secrets/" in (ROOT / ".gitignore").read_text().split()
+    assert "secrets" in dockerignore()
 
 
-def test_env_example_has_placeholders_only_and_env_is_never_shipped() -> None:
+def test_env_example_has_no_secret_and_env_is_never_shipped() -> None:
     example = read_env_file(ENV_EXAMPLE)
-    assert example["POSTGRES_PASSWORD"] == "change-me"
-    for key, value in example.items():
+    for key in example:
         if re.search(r"PASSWORD|SECRET|TOKEN", key):
-            assert value == "change-me", key
-    for url_password in re.findall(r"://[^:/@\s]+:([^@\s]+)@", ENV_EXAMPLE.read_text()):
-        assert url_password == "PASSWORD"
+            assert key.endswith("_FILE"), key
+    assert not re.findall(r"://[^:/@\s]+:([^@\s]+)@", ENV_EXAMPLE.read_text())
     # Every variable it sets is one the compose file reads.
     assert set(example) <= compose_variables()
     gitignored = (ROOT / ".gitignore").read_text().split()
@@ -276,6 +297,16 @@ def test_env_example_has_placeholders_only_and_env_is_never_shipped() -> None:
     dockerignored = dockerignore()
     for pattern in (".env", ".git", ".venv", "*.db", "**/__pycache__", "*.whl"):
         assert pattern in dockerignored, pattern
+
+
+def test_the_dashboard_in_its_container_answers_only_local_names() -> None:
+    """It listens on 0.0.0.0 inside its container (its port is published on the host's
+    127.0.0.1): without --allow-host it would serve any Host (DNS rebinding)."""
+    command = compose({})["services"]["dashboard"]["command"]
+    allowed = [command[i + 1] for i, arg in enumerate(command) if arg == "--allow-host"]
+    assert set(allowed) == {"localhost", "127.0.0.1"}
+    named = compose({"DASHBOARD_HOST_NAME": "dash.example"})["services"]["dashboard"]
+    assert "dash.example" in named["command"]
 
 
 def test_dockerfile() -> None:
@@ -358,6 +389,8 @@ class Container:
             target: mounts[source]
             for source, target, *_ in (v.split(":") for v in service.get("volumes", []))
         }
+        if service.get("secrets"):  # Docker mounts each secret's file at /run/secrets/NAME
+            self.mounts.update({SECRET_PATH: mounts[SECRET_PATH]})
         self.argv = [sys.executable, "-m", "loader_search", *map(self.path, service["command"])]
         environment = {k: self.path(str(v)) for k, v in service["environment"].items()}
         self.env = {**os.environ, **environment}
@@ -408,7 +441,11 @@ def test_containers_commands_in_order(team_db: str, tmp_path: Path) -> None:
         "LOADER_SEARCH_STORAGE": team_db,
     }
     services = compose(env)["services"]
-    mounts = {"./studies": studies, "locks": tmp_path / "locks"}  # the volume: one folder
+    # The volume: one folder; the secret: a file (PostgreSQL here trusts local logins, so its
+    # content is not checked, but it is read: a missing file would fail every command).
+    secret = tmp_path / "postgres_password"
+    secret.write_text("not-checked-here\n")
+    mounts = {"./studies": studies, "locks": tmp_path / "locks", SECRET_PATH: secret}
 
     pg_isready = shutil.which("pg_isready")
     if pg_isready or os.environ.get("LOADER_SEARCH_REQUIRE_DBS"):
