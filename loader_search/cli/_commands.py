@@ -299,8 +299,8 @@ def best(
     loss_tolerance: LossToleranceOption = None,
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
+    from loader_search.study._open import open_existing_study
     from loader_search.study._recommend import summaries
-    from loader_search.study._session import open_existing_study
 
     existing = open_existing_study(study, storage, loss_tolerance=loss_tolerance)
     print_summaries(summaries(existing.study, existing.loss_tolerance), as_json=as_json)
@@ -342,7 +342,7 @@ def report(
     workers x prefetch, data-wait, memory, failures and hardware. The JSON holds the same
     data, with `best --json`'s output under "summary".
     """
-    from loader_search.study._session import open_existing_study
+    from loader_search.study._open import open_existing_study
 
     if fmt not in REPORT_FORMATS:
         raise UserError(f"--format {fmt!r}: use html or json")
