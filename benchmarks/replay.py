@@ -235,7 +235,7 @@ class _Replay:
         self.grid_size = self.space.size() if grid else None
         self.cost = 0.0
         self.train_size: int | None = None
-        # As the worker does (`loader_search.study._worker._guide`), on the table's machine.
+        # As the worker does (`loader_search.study._take._guide`), on the table's machine.
         self.guide = (
             Guide(self.space, "cpu", self.space.usable_cpus, loss_tolerance=LOSS_TOLERANCE)
             if variant.model
