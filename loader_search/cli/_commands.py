@@ -32,7 +32,8 @@ from loader_search.cli._console import (
 # answer at once.
 from loader_search.cli._summary import print_summaries, print_summary
 from loader_search.errors import UserError
-from loader_search.team._storage import STORAGE_ENV, mask_url
+from loader_search.team._masking import mask_url
+from loader_search.team._storage import STORAGE_ENV
 
 if TYPE_CHECKING:
     from loader_search.study._recommend import Recommendation

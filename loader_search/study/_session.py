@@ -33,7 +33,8 @@ from loader_search.study._stored import fingerprint, settle_budget, store_settin
 from loader_search.study._worker import count_finished, work
 from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
-from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
+from loader_search.team._masking import mask_url
+from loader_search.team._storage import open_storage, resolve_storage_url
 from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.trial._system import usable_cpus

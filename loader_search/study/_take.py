@@ -64,8 +64,8 @@ from loader_search.study._optuna_compat import trial_id
 from loader_search.study._record import record_interrupted
 from loader_search.study._timings import Clock
 from loader_search.study._trials import write_user_attrs
+from loader_search.team._db_errors import outage, retrying
 from loader_search.team._locks import study_lock
-from loader_search.team._storage import outage, retrying
 from loader_search.trial._ranks import resolve_ranks
 
 MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `hold_limit`)
