@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.params import RANGES
+from loader_search._rules import RANGES
 from loader_search.study._config import StudyConfig
 from loader_search.study._confirm import (
     ConfirmSettings,

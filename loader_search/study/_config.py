@@ -3,7 +3,7 @@
 Every mistake is reported as one `UserError` line naming the file, the key and the value, with
 the fix, before any storage is touched: a bad file never creates a study. The reference of all
 keys, with the range of each, is in docs/configuration.md; `studies/quickstart.toml` is a
-working example. Every range is written once, in `loader_search.params.RANGES`, and checked by
+working example. Every range is written once, in `loader_search._rules.RANGES`, and checked by
 the dataclasses themselves, so a config built in Python obeys the same rules as a file.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from loader_search._rules import RANGES, check_device, check_fields, check_study_name
 from loader_search._workload_specs import resolve_paths
 from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import (
@@ -29,14 +30,10 @@ from loader_search.params import (
     LR_SCALINGS,
     MATMUL_PRECISIONS,
     PRECISIONS,
-    RANGES,
     START_METHODS,
     TrainingSettings,
     TrialLimits,
     WorkersSettings,
-    check_device,
-    check_fields,
-    check_study_name,
 )
 from loader_search.study._space import CpuRange, IntRange, SearchSpace, power_of_two_steps
 from loader_search.study._toml import Table, is_int, is_plain

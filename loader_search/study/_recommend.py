@@ -24,7 +24,8 @@ from typing import Any, Literal
 import optuna
 from optuna.trial import FrozenTrial
 
-from loader_search.params import STEP_KEYS, LoaderParams, dataloader_snippet, node_totals
+from loader_search._snippets import dataloader_snippet, node_totals
+from loader_search.params import STEP_KEYS, LoaderParams
 from loader_search.study._confirm import (
     FASTER,
     NO_RELIABLE_GAIN,

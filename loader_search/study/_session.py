@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import optuna
 
+from loader_search._rules import RANGES
 from loader_search.errors import UserError
-from loader_search.params import RANGES, LoaderParams, TrainingSettings
+from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
 from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
 from loader_search.study._heartbeats import RetryStaleTrial
