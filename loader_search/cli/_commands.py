@@ -363,7 +363,7 @@ def report(
 
     import optuna
 
-    from loader_search.report._data import collect
+    from loader_search.report._collect import collect
 
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created" lines
