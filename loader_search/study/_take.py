@@ -61,6 +61,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._optuna_compat import trial_id
+from loader_search.study._pipeline import PipelineSnapshot
 from loader_search.study._record import record_interrupted
 from loader_search.study._timings import Clock
 from loader_search.study._trials import write_user_attrs
@@ -272,12 +273,15 @@ def _guide(session: Session, loss_tolerance: float) -> Guide | None:
     )
 
 
-def _store_pipeline(session: Session, attrs: Mapping[str, Any], snapshot: dict[str, Any]) -> None:
+def _store_pipeline(
+    session: Session, attrs: Mapping[str, Any], snapshot: PipelineSnapshot
+) -> None:
     """Keep the study's pipeline model (per hardware class) in step with its trials, for
     `best` and the report; written only when it changed."""
     stored = dict(attrs.get(PIPELINE_ATTR) or {})
-    if stored.get(session.hardware.hardware_class) != snapshot:
-        stored[session.hardware.hardware_class] = snapshot
+    written = snapshot.as_dict()
+    if stored.get(session.hardware.hardware_class) != written:
+        stored[session.hardware.hardware_class] = written
         session.study.set_user_attr(PIPELINE_ATTR, stored)
 
 

@@ -34,7 +34,7 @@ from loader_search import interrupts
 from loader_search.errors import StudyAborted
 from loader_search.params import LoaderParams
 from loader_search.study._budget import FINISHED_STATES, Done, Wait, count_used
-from loader_search.study._events import Reporter, Session, TrialEvent
+from loader_search.study._events import EventState, Reporter, Session, TrialEvent
 from loader_search.study._heartbeats import Every, Health
 from loader_search.study._keys import (
     ACCUMULATION_ATTR,
@@ -305,7 +305,7 @@ def _event(
     trials = worker.session.study.get_trials(deepcopy=False)  # one read, not three
     feasible = [t for t in trials if t.state == TrialState.COMPLETE and is_feasible(t)]
     failure = recorded.failure
-    state = "failed" if recorded.state == TrialState.FAIL else "complete"
+    state: EventState = "failed" if recorded.state == TrialState.FAIL else "complete"
     if recorded.infeasible:
         state = "infeasible"
     values = recorded.values if state == "complete" else None
