@@ -181,6 +181,16 @@ class PipelineSnapshot:
     model: PipelineModel
     batch_sizes: dict[int, BatchLimit]
 
+    @staticmethod
+    def read(data: Any, batch_size: int) -> tuple[PipelineModel, BatchLimit]:
+        """The model and the entry of ``batch_size`` from a snapshot `as_dict` stored, the
+        other entries left unread (`ValueError` when either is not readable)."""
+        try:
+            model, entry = data["model"], data["batch_sizes"][str(batch_size)]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a stored pipeline snapshot: {exc}") from None
+        return PipelineModel.from_dict(model), BatchLimit.from_dict(entry)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.as_dict(),

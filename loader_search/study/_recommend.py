@@ -34,7 +34,7 @@ from loader_search.study._confirm import (
     preference,
 )
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
-from loader_search.study._pipeline import BatchLimit, Bottleneck, Lift, PipelineModel
+from loader_search.study._pipeline import Bottleneck, Lift, PipelineSnapshot
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 
 RecommendationVerdict = Literal["faster", "no_reliable_gain", "not_confirmed"]
@@ -264,8 +264,7 @@ def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
     """The stored pipeline model's word on ``point`` (None when there is none, or it is not
     readable: the database is written by other hands too)."""
     try:
-        entry = BatchLimit.from_dict(snapshot["batch_sizes"][str(point.params.batch_size)])
-        model = PipelineModel.from_dict(snapshot["model"])
+        model, entry = PipelineSnapshot.read(snapshot, point.params.batch_size)
         prediction = model.predict(point.params)
     except (KeyError, TypeError, ValueError):
         return None
