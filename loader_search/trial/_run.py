@@ -11,6 +11,9 @@ whose validation loss the study already knows stops at that mark without evaluat
 measuring all trials over the same window keeps them comparable (the whole run's reading is
 kept as ``full_window_throughput_samples_per_s``). It can also ask for the ceiling: the same
 model fed pre-decoded batches already on the device.
+
+This module sets a run up and reports it; the training loop is `loader_search.trial._train`,
+the validation pass `loader_search.trial._evaluate`, the ceiling `loader_search.trial._ceiling`.
 """
 
 from __future__ import annotations
