@@ -9,12 +9,11 @@ process tree's), the peak memory (the tree's RSS) and the validation loss.
 
 from __future__ import annotations
 
-import random
 import statistics
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.ground_truth import QUICKSTART
+from benchmarks.ground_truth import QUICKSTART, shuffled_rounds
 from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.team._locks import host_lock
@@ -64,19 +63,15 @@ def measure(
     """Full trials of each contender, ``rounds`` times in shuffled order; medians."""
     workload = load_workload(config.workload, config.workload_options)
     readings: dict[str, list[Any]] = {name: [] for name in contenders}
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        order = list(contenders)
-        rng.shuffle(order)
-        for name in order:
-            with host_lock():
-                outcome = run_isolated(
-                    TrialJob(workload, contenders[name], config.training, "cpu", plan=RunPlan()),
-                    limits=config.limits,
-                )
-            if outcome.result is None:
-                raise RuntimeError(f"{name} failed: {outcome.failure}")
-            readings[name].append(outcome.result)
+    for _, name in shuffled_rounds(list(contenders), rounds, seed):
+        with host_lock():
+            outcome = run_isolated(
+                TrialJob(workload, contenders[name], config.training, "cpu", plan=RunPlan()),
+                limits=config.limits,
+            )
+        if outcome.result is None:
+            raise RuntimeError(f"{name} failed: {outcome.failure}")
+        readings[name].append(outcome.result)
     out = {}
     for name, results in readings.items():
         throughput = statistics.median(r.throughput_samples_per_s for r in results)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
@@ -34,6 +34,8 @@ from loader_search.trial._job import TrialJob
 from loader_search.trial._run import short_run_samples
 from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads import Workload, load_workload
+
+T = TypeVar("T")
 
 STUDIES = Path(__file__).resolve().parent.parent / "studies"
 QUICKSTART = STUDIES / "quickstart.toml"
@@ -185,7 +187,7 @@ def run(
     total = len(configs) * repeats
     started = time.perf_counter()
     count = len(done)
-    for repeat, params in _schedule(configs, repeats, seed):
+    for repeat, params in shuffled_rounds(configs, repeats, seed):
         if (key(params), repeat) in done:
             continue
         # The ceiling depends on batch size and threads only: measured once per config (first
@@ -208,15 +210,16 @@ def run(
     return read_rows(path)
 
 
-def _schedule(
-    configs: Sequence[LoaderParams], repeats: int, seed: int
-) -> Iterator[tuple[int, LoaderParams]]:
+def shuffled_rounds(items: Sequence[T], rounds: int, seed: int) -> Iterator[tuple[int, T]]:
+    """(round, item): every one of ``items`` once a round, for ``rounds`` rounds, each round
+    in a fresh order drawn from ``seed``, so that a slow spell of the machine falls on one
+    reading of several items rather than on every reading of one."""
     rng = random.Random(seed)
-    for repeat in range(repeats):
-        order = list(configs)
+    for round_ in range(rounds):
+        order = list(items)
         rng.shuffle(order)
-        for params in order:
-            yield repeat, params
+        for item in order:
+            yield round_, item
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Search quality: studies replayed against the ground-truth table.
 
 Every trial of a replayed study goes through the service's own code: its sampler
-(`loader_search.study._session.make_sampler`), its search space (`ResolvedSpace.suggest`), the
+(`loader_search.study._open.make_sampler`), its search space (`ResolvedSpace.suggest`), the
 baseline first, its early stop (`loader_search.study._plan.plan_trial`), the worker's budget
 decision (`loader_search.study._budget.decide`: the next trial, the baseline, re-measurement of
 the candidates) and its recommendation rule (`summarize_trials`). Only the
@@ -71,9 +71,9 @@ from loader_search.study._keys import (
     VAL_LOSS_FROM,
     stored_params,
 )
+from loader_search.study._open import make_sampler
 from loader_search.study._plan import plan_trial
 from loader_search.study._recommend import hypervolume_2d, summarize_trials
-from loader_search.study._session import make_sampler
 from loader_search.study._space import IntRange, ResolvedSpace
 
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
@@ -235,7 +235,7 @@ class _Replay:
         self.grid_size = self.space.size() if grid else None
         self.cost = 0.0
         self.train_size: int | None = None
-        # As the worker does (`loader_search.study._worker._guide`), on the table's machine.
+        # As the worker does (`loader_search.study._take._guide`), on the table's machine.
         self.guide = (
             Guide(self.space, "cpu", self.space.usable_cpus, loss_tolerance=LOSS_TOLERANCE)
             if variant.model

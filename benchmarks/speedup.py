@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from benchmarks.ground_truth import QUICKSTART, quick_config
+from benchmarks.ground_truth import QUICKSTART, quick_config, shuffled_rounds
 from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._keys import CONFIRMATION_ATTR, VAL_LOSS_FROM
@@ -76,25 +75,21 @@ def side_by_side(
     # their measurements: the same settings measured twice would differ by noise alone.
     distinct = list(dict.fromkeys(contenders.values()))
     readings: dict[LoaderParams, list[tuple[float, float]]] = {p: [] for p in distinct}
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        order = list(distinct)
-        rng.shuffle(order)
-        for params in order:
-            with host_lock():
-                plan = RunPlan(
-                    short_samples=short_run_samples(params, config.training, train_size),
-                    measure_ceiling=True,
-                )
-                outcome = run_isolated(
-                    TrialJob(workload, params, config.training, device, plan=plan),
-                    limits=config.limits,
-                )
-            if outcome.result is None:
-                raise RuntimeError(f"{params.describe()} failed: {outcome.failure}")
-            ceiling = outcome.result.ceiling_samples_per_s
-            assert ceiling is not None
-            readings[params].append((outcome.result.throughput_samples_per_s, ceiling))
+    for _, params in shuffled_rounds(distinct, rounds, seed):
+        with host_lock():
+            plan = RunPlan(
+                short_samples=short_run_samples(params, config.training, train_size),
+                measure_ceiling=True,
+            )
+            outcome = run_isolated(
+                TrialJob(workload, params, config.training, device, plan=plan),
+                limits=config.limits,
+            )
+        if outcome.result is None:
+            raise RuntimeError(f"{params.describe()} failed: {outcome.failure}")
+        ceiling = outcome.result.ceiling_samples_per_s
+        assert ceiling is not None
+        readings[params].append((outcome.result.throughput_samples_per_s, ceiling))
     out = {}
     for name, params in contenders.items():
         values = readings[params]

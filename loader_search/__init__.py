@@ -16,7 +16,7 @@ _EXPORTS = {
     "IntRange": "loader_search.study._space",
     "SearchSpace": "loader_search.study._space",
     "LoaderParams": "loader_search.params",
-    "dataloader_snippet": "loader_search.params",
+    "dataloader_snippet": "loader_search._snippets",
     "SamplerConfig": "loader_search.study._config",
     "StudyConfig": "loader_search.study._config",
     "load_config": "loader_search.study._config",
@@ -63,8 +63,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from loader_search._snippets import dataloader_snippet
     from loader_search.errors import UserError
-    from loader_search.params import LoaderParams, dataloader_snippet
+    from loader_search.params import LoaderParams
     from loader_search.study._config import SamplerConfig, StudyConfig, load_config
     from loader_search.study._events import (
         LineReporter,

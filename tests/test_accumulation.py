@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from loader_search import SearchSpace, StudyConfig, TrainingSettings, run_study
-from loader_search.params import LoaderParams, RunPlan, dataloader_snippet
+from loader_search._snippets import dataloader_snippet
+from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import SamplerConfig, parse_config
 from loader_search.study._keys import stored_params
 from loader_search.study._record import fit_in_memory

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from loader_search import run_study
-from loader_search.params import LoaderParams, TrainingSettings, dataloader_snippet
+from loader_search._snippets import dataloader_snippet
+from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import parse_config
 from loader_search.study._keys import stored_params
 from loader_search.trial._job import TrialJob

@@ -36,7 +36,7 @@ from loader_search.study._keys import (
     TOLERANCE_ATTR,
     WORKER_ATTR,
 )
-from loader_search.study._worker import Patience
+from loader_search.study._take import Patience
 from loader_search.trial._failures import INTERRUPTED
 
 NO_CONFIRM = ConfirmSettings(

@@ -143,7 +143,7 @@ def _anchors(page: Path) -> set[str]:
 
 
 def test_the_configuration_page_lists_every_range() -> None:
-    from loader_search.params import RANGES
+    from loader_search._rules import RANGES
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     for key, rule in RANGES.items():

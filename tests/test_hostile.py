@@ -348,8 +348,8 @@ def test_fuzzed_stored_settings_are_read_in_range_or_refused_in_one_line() -> No
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
+    from loader_search._rules import RANGES
     from loader_search.errors import UserError
-    from loader_search.params import RANGES
     from loader_search.study._budget import confirm_settings
     from loader_search.study._config import StudyConfig
     from loader_search.study._keys import study_budget

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from loader_search.params import LoaderParams, dataloader_snippet
+from loader_search._snippets import dataloader_snippet
+from loader_search.params import LoaderParams
 from loader_search.trial._loader import build_loader
 
 

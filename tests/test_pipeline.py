@@ -3,10 +3,19 @@ be worked out by hand, a round trip through `fit`, and its cost per call."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from loader_search.params import LoaderParams
-from loader_search.study._pipeline import Observation, PipelineModel, fit
+from loader_search.study._pipeline import (
+    BatchLimit,
+    Lift,
+    Observation,
+    PipelineModel,
+    PipelineSnapshot,
+    fit,
+)
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 
 # Per-sample CPU demands in round numbers: fetching 100 us, collating 10 us in a worker and
@@ -179,3 +188,59 @@ def test_with_ranks_the_model_is_one_ranks_pipeline_on_its_share_times_the_ranks
             observation.ceiling / 2
         )
     assert PipelineModel.from_dict(node.as_dict()) == node
+
+
+# One batch size's entry of a pipeline snapshot exactly as studies have stored it since the
+# model was introduced (keys and their order): the typed entry must read it and write it back
+# unchanged, or stored studies would read differently and every worker would rewrite them.
+STORED_ENTRY: dict[str, Any] = {
+    "limit_samples_per_s": 9090.9,
+    "limit_from": "model",
+    "bottleneck": "loader_workers",
+    "extrapolated": False,
+    "limit_params": {
+        "batch_size": 64,
+        "num_workers": 1,
+        "prefetch_factor": 2,
+        "pin_memory": False,
+        "persistent_workers": True,
+        "torch_threads": 3,
+    },
+    "lifts": [
+        {
+            "lever": "more_cpus",
+            "what": "twice the CPUs (8)",
+            "predicted_limit_samples_per_s": 18181.8,
+            "gain": 2.0,
+        }
+    ],
+}
+
+
+def test_a_stored_snapshot_entry_reads_and_writes_back_unchanged() -> None:
+    entry = BatchLimit.from_dict(STORED_ENTRY)
+    assert entry.lifts == (Lift("more_cpus", "twice the CPUs (8)", 18181.8, 2.0),)
+    assert entry.limit_params == _params(1, 3)
+    written = entry.as_dict()
+    assert written == STORED_ENTRY
+    assert list(written) == list(STORED_ENTRY)
+    assert list(written["lifts"][0]) == list(STORED_ENTRY["lifts"][0])
+    snapshot = PipelineSnapshot(MODEL, {64: entry}).as_dict()
+    assert list(snapshot) == ["model", "batch_sizes"]
+    assert snapshot["batch_sizes"] == {"64": STORED_ENTRY}
+    assert PipelineModel.from_dict(snapshot["model"]) == MODEL
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"bottleneck": "the moon"},
+        {"limit_samples_per_s": "fast"},
+        {"limit_params": {"num_workers": 2}},
+        {"lifts": [{"lever": "more_cpus"}]},
+        {"lifts": 7},
+    ],
+)
+def test_a_damaged_snapshot_entry_is_refused(damage: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        BatchLimit.from_dict({**STORED_ENTRY, **damage})

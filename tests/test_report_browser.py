@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from loader_search.report._data import collect
+from loader_search.report._collect import collect
 from loader_search.report._html import PLOT_IDS, render
 from tests.test_report import build_study
 

@@ -13,7 +13,8 @@ from optuna.trial import TrialState
 from loader_search.errors import StudyAborted, UserError
 from loader_search.params import TrainingSettings
 from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._session import check_budget, make_sampler, run_study
+from loader_search.study._open import make_sampler
+from loader_search.study._session import check_budget, run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload

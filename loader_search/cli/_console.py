@@ -29,13 +29,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from loader_search.errors import StudyAborted, UserError, printable
-from loader_search.team._storage import (
+from loader_search.team._db_errors import (
     describe_driver_error,
     is_read_only,
     is_transient,
     read_only_error,
-    scrub_urls,
 )
+from loader_search.team._masking import scrub_urls
 
 if TYPE_CHECKING:
     from loader_search.cli._doctor import Check

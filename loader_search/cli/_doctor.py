@@ -338,7 +338,8 @@ def _isolation(config: StudyConfig | None) -> Check:
 def _storage(storage_url: str | None) -> Check:
     from sqlalchemy.engine import make_url
 
-    from loader_search.team._storage import in_memory, mask_url, open_storage, resolve_storage_url
+    from loader_search.team._masking import mask_url
+    from loader_search.team._storage import in_memory, open_storage, resolve_storage_url
 
     try:
         url = resolve_storage_url(storage_url)

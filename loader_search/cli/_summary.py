@@ -16,6 +16,7 @@ from rich.table import Table
 from loader_search.cli._console import console, shown
 
 if TYPE_CHECKING:
+    from loader_search.study._pipeline import Bottleneck
     from loader_search.study._recommend import PipelineView, StudySummary
 
 
@@ -38,7 +39,7 @@ def print_summaries(summaries: Sequence[StudySummary], *, as_json: bool = False)
         print_summary(summary)
 
 
-BOTTLENECK_TEXT = {
+BOTTLENECK_TEXT: dict[Bottleneck, str] = {
     "device": "the training step itself (the device)",
     "loader_workers": "the loader workers' CPU",
     "main_process": "the training process receiving and copying batches",
@@ -62,8 +63,7 @@ def pipeline_lines(view: PipelineView, batch_size: int) -> list[str]:
     ]
     if view.lifts:
         shown = "; ".join(
-            f"{lift['what']} -> {lift['predicted_limit_samples_per_s']:,.0f}/s"
-            f" (+{lift['gain'] - 1:.0%})"
+            f"{lift.what} -> {lift.predicted_limit_samples_per_s:,.0f}/s (+{lift.gain - 1:.0%})"
             for lift in view.lifts[:3]
         )
         lines.append(f"  what would lift the limit (the model's prediction): {shown}")

@@ -1,6 +1,6 @@
 """The report's figures: one plotly figure per plot of the page, drawn from a `ReportData`.
 
-Nothing is computed here that a test would need to check (`loader_search.report._data` does
+Nothing is computed here that a test would need to check (`loader_search.report._collect` does
 that), and nothing here knows the page around the figures (`loader_search.report._html`).
 """
 

@@ -1,8 +1,9 @@
 """Drawing the report: one self-contained HTML file from a `ReportData`.
 
-Nothing is computed here that a test would need to check; `loader_search.report._data` does that.
-The figures are drawn in `loader_search.report._figures`; plotly's own ``Figure.to_html`` writes
-each one's container and drawing script, and this module only adds the text around them.
+Nothing is computed here that a test would need to check; `loader_search.report._collect` does
+that. The figures are drawn in `loader_search.report._figures`; plotly's own
+``Figure.to_html`` writes each one's container and drawing script, and this module only adds
+the text around them.
 
 The file works offline: plotly.js (`plotly.offline.get_plotlyjs`) is embedded once, inline, in
 the head, and the page loads nothing else (no CDN, no MathJax, no fonts, no images), so it can

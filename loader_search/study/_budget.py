@@ -3,7 +3,7 @@ given the study's trials, take the next search trial, wait for the ones running 
 queue the next confirmation trial of the candidates, or stop.
 
 Pure: the decision reads the trials it is given (states and attrs) and returns what to do;
-the caller reads the study and acts on it (`loader_search.study._worker._take_trial`,
+the caller reads the study and acts on it (`loader_search.study._take.take_trial`,
 `benchmarks.replay`), so both follow one rule and it can be tested on hand-made trials.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.params import RANGES
+from loader_search._rules import RANGES
 from loader_search.study._config import StudyConfig
 from loader_search.study._confirm import (
     ConfirmSettings,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TextIO
+from typing import Literal, Protocol, TextIO
 
 import optuna
 import torch
@@ -19,12 +19,16 @@ from loader_search.study._space import ResolvedSpace
 from loader_search.team._hardware import Hardware
 from loader_search.workloads import Workload
 
+# How a trial ended, as progress reports it ("infeasible": it completed, out of memory or
+# diverged, and the sampler learns to avoid its region).
+EventState = Literal["complete", "infeasible", "failed"]
+
 
 @dataclass(frozen=True)
 class TrialEvent:
     number: int
     params: LoaderParams | None
-    state: str  # "complete", "infeasible" or "failed"
+    state: EventState
     throughput: float | None
     val_loss: float | None
     failure: str | None  # "reason: message"

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from statistics import median
-from typing import Any, Literal
+from typing import Literal
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -39,7 +39,15 @@ from loader_search.study._keys import (
     stored_params,
     trial_hardware_class,
 )
-from loader_search.study._pipeline import Observation, PipelineModel, Prediction, fit
+from loader_search.study._pipeline import (
+    BatchLimit,
+    Lift,
+    Observation,
+    PipelineModel,
+    PipelineSnapshot,
+    Prediction,
+    fit,
+)
 from loader_search.study._points import TrialPoint, is_feasible, points_of, tolerance_limit
 from loader_search.study._space import IntRange, ResolvedSpace
 
@@ -219,26 +227,26 @@ class Guide:
         model = self.model(trials)
         return model.predict(params) if model is not None else None
 
-    def snapshot(self, trials: Sequence[FrozenTrial], model: PipelineModel) -> dict[str, Any]:
+    def snapshot(self, trials: Sequence[FrozenTrial], model: PipelineModel) -> PipelineSnapshot:
         """``model`` (`model` of these ``trials``), the limit of each batch size and what would
         lift it: stored with the study (`PIPELINE_ATTR`) for `best`, the report and people."""
         measured = _measured_best(self.observations(trials))
-        batches = {}
+        batches: dict[int, BatchLimit] = {}
         for batch in self.space.batch_sizes:
             best = model.best(batch, self.space)
             limit, params, source = best.throughput, best.params, "model"
             if batch in measured and measured[batch][0] > limit:
                 # A limit below what was measured is the model's error: the measurement stands.
                 (limit, params), source = measured[batch], "measurement"
-            batches[str(batch)] = {
-                "limit_samples_per_s": limit,
-                "limit_from": source,
-                "bottleneck": best.bottleneck,
-                "extrapolated": best.extrapolated,
-                "limit_params": params.as_dict(),
-                "lifts": lifts(model, self.space, batch, limit),
-            }
-        return {"model": model.as_dict(), "batch_sizes": batches}
+            batches[batch] = BatchLimit(
+                limit_samples_per_s=limit,
+                limit_from=source,
+                bottleneck=best.bottleneck,
+                extrapolated=best.extrapolated,
+                limit_params=params,
+                lifts=tuple(lifts(model, self.space, batch, limit)),
+            )
+        return PipelineSnapshot(model, batches)
 
 
 def _measured_best(observations: Sequence[Observation]) -> dict[int, tuple[float, LoaderParams]]:
@@ -256,7 +264,7 @@ def _measured_best(observations: Sequence[Observation]) -> dict[int, tuple[float
 
 def lifts(
     model: PipelineModel, space: ResolvedSpace, batch: int, limit: float | None = None
-) -> list[dict[str, Any]]:
+) -> list[Lift]:
     """What would lift the limit of ``batch`` (the model's, or ``limit`` where a measurement
     beat it), with the model's predicted limit after each and its gain over ``limit``, largest
     first: twice the CPUs, samples cached decoded, transforms half as costly, decoding on the
@@ -289,12 +297,7 @@ def lifts(
             ("batch_size", f"batch size {other} (its validation loss differs)", others[other])
         )
     return [
-        {
-            "lever": lever,
-            "what": text,
-            "predicted_limit_samples_per_s": predicted,
-            "gain": predicted / limit,
-        }
+        Lift(lever, text, predicted, predicted / limit)
         for lever, text, predicted in sorted(options, key=lambda o: -o[2])
         if predicted > limit * 1.02
     ]

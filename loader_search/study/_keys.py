@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from optuna.trial import FrozenTrial
 
+from loader_search._rules import check_value
 from loader_search.errors import ConfigError, UserError, show_value
-from loader_search.params import LoaderParams, check_value
+from loader_search.params import LoaderParams
 from loader_search.trial._failures import CUDA_OOM, HOST_OOM
 
 # -- Objectives (Optuna's values, in this order; their names are the study's metric names) --
@@ -102,10 +103,12 @@ ACCUMULATION_FROM = "accumulation_from"  # the trial whose out-of-memory made it
 OOM_ATTEMPTS_ATTR = "oom_attempts"  # micro-batch sizes this trial ran out of memory with
 
 # -- Failure reasons the study layer adds to the trial layer's --
-INFERRED_OOM = "inferred_oom"  # not trained: settings that need more memory than a failed one
+INFERRED_OOM: Final = (
+    "inferred_oom"  # not trained: settings that need more memory than a failed one
+)
 # Not run: queued settings outside the study's space (see `ResolvedSpace.problem`).
-REFUSED = "refused"
-LOST = "lost"  # shown, never stored: a result the database could not take in time
+REFUSED: Final = "refused"
+LOST: Final = "lost"  # shown, never stored: a result the database could not take in time
 MEASURED_OOM_REASONS = (CUDA_OOM, HOST_OOM)  # trials that really ran out of memory
 OOM_REASONS = (*MEASURED_OOM_REASONS, INFERRED_OOM)
 

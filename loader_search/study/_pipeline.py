@@ -93,6 +93,112 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class Lift:
+    """What would lift a batch size's limit, as the model predicts it
+    (`loader_search.study._guide.lifts`): the lever, in words, the limit it would give, and
+    its gain over the limit now."""
+
+    lever: str  # more_cpus, cache_decoded, cheaper_transforms, gpu_decode or batch_size
+    what: str
+    predicted_limit_samples_per_s: float
+    gain: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """Stored in the study's pipeline snapshot (`PIPELINE_ATTR`), and shown by ``best
+        --json``."""
+        return {
+            "lever": self.lever,
+            "what": self.what,
+            "predicted_limit_samples_per_s": self.predicted_limit_samples_per_s,
+            "gain": self.gain,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Lift:
+        """The lift `as_dict` stored (`ValueError` when it is not one: other hands write the
+        database)."""
+        try:
+            return cls(
+                lever=str(data["lever"]),
+                what=str(data["what"]),
+                predicted_limit_samples_per_s=float(data["predicted_limit_samples_per_s"]),
+                gain=float(data["gain"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a stored lift: {exc}") from None
+
+
+@dataclass(frozen=True)
+class BatchLimit:
+    """One batch size's entry of the pipeline snapshot: its limit (the samples/s of its best
+    setting), whether the model or a measurement that beat it says so, the bottleneck of the
+    model's best setting and whether its ceiling was extrapolated, the setting that reaches
+    the limit, and what would lift it (largest first)."""
+
+    limit_samples_per_s: float
+    limit_from: str  # "model", or "measurement" where a measured setting beat the model
+    bottleneck: Bottleneck
+    extrapolated: bool
+    limit_params: LoaderParams
+    lifts: tuple[Lift, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "limit_samples_per_s": self.limit_samples_per_s,
+            "limit_from": self.limit_from,
+            "bottleneck": self.bottleneck,
+            "extrapolated": self.extrapolated,
+            "limit_params": self.limit_params.as_dict(),
+            "lifts": [lift.as_dict() for lift in self.lifts],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> BatchLimit:
+        """The entry `as_dict` stored (`ValueError` when it is not one)."""
+        try:
+            bottleneck = data["bottleneck"]
+            if bottleneck not in BOTTLENECKS:
+                raise ValueError(f"not a stored batch limit: bottleneck {bottleneck!r}")
+            return cls(
+                limit_samples_per_s=float(data["limit_samples_per_s"]),
+                limit_from=str(data.get("limit_from", "model")),
+                bottleneck=bottleneck,
+                extrapolated=bool(data["extrapolated"]),
+                limit_params=LoaderParams.from_dict(data["limit_params"]),
+                lifts=tuple(Lift.from_dict(lift) for lift in data.get("lifts", ())),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a stored batch limit: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PipelineSnapshot:
+    """The pipeline model of one hardware class and each batch size's limit, stored with the
+    study under its class (`PIPELINE_ATTR`) for `best`, the report and people. Readers take
+    the model (`PipelineModel.from_dict`) and the entry of the batch size they need
+    (`BatchLimit.from_dict`), so one damaged entry hides no other."""
+
+    model: PipelineModel
+    batch_sizes: dict[int, BatchLimit]
+
+    @staticmethod
+    def read(data: Any, batch_size: int) -> tuple[PipelineModel, BatchLimit]:
+        """The model and the entry of ``batch_size`` from a snapshot `as_dict` stored, the
+        other entries left unread (`ValueError` when either is not readable)."""
+        try:
+            model, entry = data["model"], data["batch_sizes"][str(batch_size)]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a stored pipeline snapshot: {exc}") from None
+        return PipelineModel.from_dict(model), BatchLimit.from_dict(entry)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.as_dict(),
+            "batch_sizes": {str(b): limit.as_dict() for b, limit in self.batch_sizes.items()},
+        }
+
+
+@dataclass(frozen=True)
 class PipelineModel:
     """Per-sample CPU demands of each stage, the measured ceilings, and the machine."""
 

@@ -24,7 +24,8 @@ from typing import Any, Literal
 import optuna
 from optuna.trial import FrozenTrial
 
-from loader_search.params import STEP_KEYS, LoaderParams, dataloader_snippet, node_totals
+from loader_search._snippets import dataloader_snippet, node_totals
+from loader_search.params import STEP_KEYS, LoaderParams
 from loader_search.study._confirm import (
     FASTER,
     NO_RELIABLE_GAIN,
@@ -33,7 +34,7 @@ from loader_search.study._confirm import (
     preference,
 )
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
-from loader_search.study._pipeline import PipelineModel
+from loader_search.study._pipeline import Bottleneck, Lift, PipelineSnapshot
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 
 RecommendationVerdict = Literal["faster", "no_reliable_gain", "not_confirmed"]
@@ -56,10 +57,10 @@ class PipelineView:
     limit_samples_per_s: float
     limit_from: str  # "model", or "measurement" where a measured setting beat the model
     efficiency_vs_limit: float
-    bottleneck: str  # device | loader_workers | main_process, for the recommended setting
+    bottleneck: Bottleneck  # for the recommended setting
     predicted_samples_per_s: float
     limit_params: LoaderParams  # the setting the model predicts reaches the limit
-    lifts: tuple[dict[str, Any], ...]
+    lifts: tuple[Lift, ...]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -69,7 +70,7 @@ class PipelineView:
             "bottleneck": self.bottleneck,
             "predicted_samples_per_s": self.predicted_samples_per_s,
             "limit_params": self.limit_params.as_dict(),
-            "lifts": [dict(lift) for lift in self.lifts],
+            "lifts": [lift.as_dict() for lift in self.lifts],
         }
 
 
@@ -263,17 +264,13 @@ def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
     """The stored pipeline model's word on ``point`` (None when there is none, or it is not
     readable: the database is written by other hands too)."""
     try:
-        entry = snapshot["batch_sizes"][str(point.params.batch_size)]
-        model = PipelineModel.from_dict(snapshot["model"])
-        limit = float(entry["limit_samples_per_s"])
+        model, entry = PipelineSnapshot.read(snapshot, point.params.batch_size)
         prediction = model.predict(point.params)
-        limit_params = LoaderParams.from_dict(entry["limit_params"])
-        lifts = tuple(dict(lift) for lift in entry.get("lifts", ()))
     except (KeyError, TypeError, ValueError):
         return None
+    limit, limit_params, source = entry.limit_samples_per_s, entry.limit_params, entry.limit_from
     if limit <= 0:
         return None
-    source = str(entry.get("limit_from", "model"))
     if point.throughput > limit:
         # The snapshot is taken while the model proposes; the point was measured faster
         # since (its confirmation rounds): a limit below a measurement is no limit.
@@ -285,7 +282,7 @@ def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
         bottleneck=prediction.bottleneck,
         predicted_samples_per_s=prediction.throughput,
         limit_params=limit_params,
-        lifts=lifts,
+        lifts=entry.lifts,
     )
 
 

@@ -4,44 +4,38 @@ The study's trial budget (``[study] trials``, or ``--n-trials``) is a total stor
 study and shared by every process that works on it: running the same study again continues
 until the budget is used, so an interrupted run picks up where it stopped, and ``loader-search
 worker`` processes on other machines join it. `run` stores its config document with the
-study, so a worker needs nothing but the study's name and the database. `run`, `init` and
-`worker` all open their study through `prepare_session`.
+study, so a worker needs nothing but the study's name and the database. `run` and `init` open
+their study through `create_session`, `worker` through `join_session`; both leave opening it in
+the storage to `loader_search.study._open`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import optuna
-from optuna.trial import TrialState
 
+from loader_search._rules import RANGES
 from loader_search.errors import UserError
-from loader_search.params import RANGES, LoaderParams, TrainingSettings
+from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
 from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
 from loader_search.study._heartbeats import RetryStaleTrial
-from loader_search.study._keys import (
-    DIRECTIONS,
-    FINGERPRINT_ATTR,
-    METRIC_NAMES,
-    study_budget,
-    study_tolerance,
-)
+from loader_search.study._keys import study_budget, study_tolerance
 from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
 from loader_search.study._note import write_note
+from loader_search.study._open import make_sampler, open_existing_study, open_study, seed_offset_of
 from loader_search.study._recommend import StudySummary, hardware_classes, summarize
 from loader_search.study._space import ResolvedSpace
 from loader_search.study._stored import fingerprint, settle_budget, store_settings, stored_config
 from loader_search.study._worker import count_finished, work
 from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
-from loader_search.team._storage import mask_url, open_storage, resolve_storage_url
+from loader_search.team._masking import mask_url
+from loader_search.team._storage import open_storage, resolve_storage_url
 from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.trial._system import usable_cpus
@@ -50,7 +44,7 @@ from loader_search.workloads import Workload, check_allowed, load_workload
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["init_study", "prepare_session", "run_study", "run_worker"]
+__all__ = ["create_session", "init_study", "join_session", "run_study", "run_worker"]
 
 DEFAULT_STUDY_NAME = "loader-search"
 
@@ -81,80 +75,6 @@ def check_n_trials(n_trials: int | None) -> None:
     problem = None if n_trials is None else RANGES["study.trials"].problem(n_trials)
     if problem is not None:
         raise UserError(f"--n-trials {n_trials}: {problem}")
-
-
-def make_sampler(config: StudyConfig, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
-    """The configured sampler. ``seed_offset`` (the trials a continued study already has)
-    shifts the seed, so a continued study does not propose its first settings again."""
-    sampler = config.sampler
-    seed = (config.seed + seed_offset) % 2**32
-    if sampler.name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if sampler.name == "nsga2":
-        kwargs: dict[str, Any] = {"seed": seed}
-        if sampler.population_size is not None:
-            kwargs["population_size"] = sampler.population_size
-        return optuna.samplers.NSGAIISampler(**kwargs)
-    if sampler.name == "grid":
-        # Every valid combination once: unlike GridSampler, BruteForceSampler follows the
-        # conditional parameters (no prefetch_factor grid for num_workers=0).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.BruteForceSampler(seed=seed)
-    kwargs = {"seed": seed}
-    if sampler.multivariate is not None:
-        # Conditional parameters (prefetch only with workers) need group sampling.
-        kwargs["multivariate"] = sampler.multivariate
-        kwargs["group"] = sampler.multivariate
-    if sampler.n_startup_trials is not None:
-        kwargs["n_startup_trials"] = sampler.n_startup_trials
-    return optuna.samplers.TPESampler(**kwargs)
-
-
-def _open_study(
-    storage: optuna.storages.RDBStorage,
-    name: str,
-    config: StudyConfig,
-    fingerprint: Mapping[str, Any],
-) -> tuple[optuna.Study, bool]:
-    if name not in optuna.study.get_all_study_names(storage):
-        try:
-            study = optuna.create_study(
-                study_name=name,
-                storage=storage,
-                sampler=make_sampler(config),
-                directions=list(DIRECTIONS),
-            )
-        except optuna.exceptions.DuplicatedStudyError:
-            pass  # another process created it a moment ago: continue it below
-        else:
-            study.set_user_attr(
-                FINGERPRINT_ATTR, dict(fingerprint)
-            )  # at once: see the check below
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.set_metric_names(list(METRIC_NAMES))  # the dashboard shows these names
-            return study, True
-    study = optuna.load_study(study_name=name, storage=storage)
-    study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
-    stored = study.user_attrs.get(FINGERPRINT_ATTR)
-    has_results = bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    if stored is not None and stored != fingerprint and has_results:
-        differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
-        raise UserError(
-            f"study {name!r} was created with different settings ({', '.join(differs)});"
-            " its results would not compare: use another --study-name"
-        )
-    if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
-        raise UserError(f"study {name!r} is not a loader-search study: use another name")
-    return study, False
-
-
-def _seed_offset(study: optuna.Study) -> int:
-    """Shifts a continued study's sampler seed: by the trials it has (so it does not propose
-    its first settings again) and by this process (so that workers joining at the same moment
-    do not all propose the same settings)."""
-    return len(study.get_trials(deepcopy=False)) + os.getpid() * 7919
 
 
 @contextlib.contextmanager
@@ -202,7 +122,7 @@ def run_study(
     """
     reporter = _reporter(reporter, quiet)
     with _quiet_optuna():
-        info, session = prepare_session(
+        info, session = create_session(
             config,
             reporter,
             workload=workload,
@@ -232,7 +152,7 @@ def init_study(
     It needs no GPU: the study is bound to the hardware of its first trial, not of ``init``.
     """
     with _quiet_optuna():
-        info, _ = prepare_session(
+        info, _ = create_session(
             config, reporter or NullReporter(), workload=workload, storage=storage, budget=n_trials
         )
         return info
@@ -275,16 +195,15 @@ def run_worker(
         raise UserError(f"--timeout {timeout_s}: must be a positive number of seconds")
     reporter = _reporter(reporter, quiet)
     with _quiet_optuna():
-        info, session = prepare_session(
+        info, session = join_session(
+            study_name,
             config,
             reporter,
-            join=study_name,
+            Machine(cpus, gpu, allow_mixed_hardware),
             workload=workload,
             storage=storage,
-            machine=Machine(cpus, gpu, allow_mixed_hardware),
             allow_plugins=allow_plugins,
         )
-        assert session is not None  # a machine was given
         reporter.study_started(info)
         work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
         study = session.study
@@ -295,115 +214,156 @@ def run_worker(
         return _summary(study, tolerance, session.hardware)
 
 
-def prepare_session(
-    config: StudyConfig | None,
+def create_session(
+    config: StudyConfig,
     reporter: Reporter,
     *,
-    join: str | None = None,
     workload: Workload | None = None,
     storage: str | None = None,
     budget: int | None = None,
     machine: Machine | None = None,
-    allow_plugins: Sequence[str] = (),
 ) -> tuple[StudyInfo, Session | None]:
-    """Open the study that trials will run in, and build what a worker needs to run them.
+    """Create or continue the study ``config`` describes (`run`, `init`), and build what a
+    worker needs to run its trials.
 
-    Without ``join``: create or continue the study ``config`` describes (`run`, `init`);
     ``budget`` (``--n-trials``) becomes its total trial budget (without it a new study takes
     ``config.trials``, a continued one keeps the budget stored with it), and the settings are
-    stored for workers. With ``join``, the name of an existing study (`worker`): its stored
-    budget and settings are used and left as they are, and its config is the stored one
-    unless ``config`` is given; a workload taken from the database must be one this machine
-    allows (``allow_plugins``, see `check_allowed`), checked before anything imports it.
-    ``workload`` (the Python API's, built in memory) is the caller's own and trusted.
+    stored for workers. ``workload`` (the Python API's, built in memory) is the caller's own.
 
     ``machine``: how this process runs trials; it is pinned, its device resolved, the space
     fitted to its /dev/shm and its hardware checked against the study's class. None when no
     trial runs here (`init`): then no device is touched and no `Session` is returned.
 
-    Input that can be wrong is checked before the storage is written (``run``: the device
-    first, as pinning must precede any question to CUDA; ``worker``: the allow-list before
-    any import, the hardware class before the workload is built).
+    Input that can be wrong is checked before the storage is written: the device first, as
+    pinning must precede any question to CUDA.
     """
-    here: tuple[torch.device, Hardware] | None = None
-    if join is None:
-        if config is None:
-            raise TypeError("prepare_session: a new or continued study needs its config")
-        if machine is not None:
-            # The device first, as pinning must precede any question to CUDA.
-            here = this_machine(config, machine)
-        check_n_trials(budget)
-        url = resolve_storage_url(storage)
-        existing = None
-    else:
-        if budget is not None:
-            raise TypeError("prepare_session: a joining worker keeps the study's budget")
-        url = resolve_storage_url(storage)
-        reporter.preparing(f"opening storage {mask_url(url)}")
-        existing = open_existing_study(join, url, on_busy=reporter.warning)
-        if config is None:
-            config = stored_config(existing.study)
-            if workload is None:
-                # Others write this database: refuse a workload spec before importing it.
-                check_allowed(config.workload, allow_plugins)
-        if machine is not None:
-            here = this_machine(config, machine)
+    here = this_machine(config, machine) if machine is not None else None
+    check_n_trials(budget)
+    url = resolve_storage_url(storage)
     hardware = here[1] if here is not None else None
-    allow_mixed = machine is not None and machine.allow_mixed_hardware
+    space, ranks, ncpus = _resolved_space(config, hardware)
+    check_budget(config.training, space, ranks)
+    workload, spec = _workload(config, workload, reporter)
+    if hardware is not None:
+        space = fit_to_machine(space, workload, ranks)
+    notes = list(space.notes)
+    reporter.preparing(f"opening storage {mask_url(url)}")
+    rdb = _open_rdb(url, config, reporter, must_exist=False)
+    name = config.name or DEFAULT_STUDY_NAME
+    stamp = fingerprint(config, workload, spec)
+    study, created = open_study(rdb, name, config, stamp)
+    if hardware is not None:
+        notes += check_hardware(study, hardware, _allows_mixed(machine))
+    finished = count_finished(study)
+    budget, budget_notes = settle_budget(study, config, budget, finished, created)
+    notes += budget_notes
+    notes += store_settings(study, config, workload, stamp, created, budget)
+    info = _info(study, url, created, budget, finished, workload, hardware, ncpus, notes)
+    if here is None or machine is None:
+        return info, None  # `init`: no trial runs here
+    return info, _session(study, rdb, config, workload, space, here, budget, machine)
+
+
+def join_session(
+    name: str,
+    config: StudyConfig | None,
+    reporter: Reporter,
+    machine: Machine,
+    *,
+    workload: Workload | None = None,
+    storage: str | None = None,
+    allow_plugins: Sequence[str] = (),
+) -> tuple[StudyInfo, Session]:
+    """Join the existing study ``name`` (`worker`), and build what this worker needs to run
+    its trials on ``machine`` (pinned, its device resolved, the space fitted to its /dev/shm).
+
+    The study's stored budget and settings are used and left as they are, and its config is
+    the stored one unless ``config`` is given; a workload taken from the database must be one
+    this machine allows (``allow_plugins``, see `check_allowed`), checked before anything
+    imports it. ``workload`` (the Python API's, built in memory) is the caller's own and
+    trusted. The hardware class is checked before the workload is built.
+    """
+    url = resolve_storage_url(storage)
+    reporter.preparing(f"opening storage {mask_url(url)}")
+    existing = open_existing_study(name, url, on_busy=reporter.warning)
+    if config is None:
+        config = stored_config(existing.study)
+        if workload is None:
+            # Others write this database: refuse a workload spec before importing it.
+            check_allowed(config.workload, allow_plugins)
+    here = this_machine(config, machine)
+    hardware = here[1]
+    space, ranks, ncpus = _resolved_space(config, hardware)
+    mixed = check_hardware(existing.study, hardware, _allows_mixed(machine))  # before the build
+    workload, _ = _workload(config, workload, reporter)
+    space = fit_to_machine(space, workload, ranks)
+    notes = [*space.notes, *mixed]
+    # Opened again with the study's heartbeat settings: its connections are closed first, so
+    # that a worker never holds more than two.
+    existing.rdb.engine.dispose()
+    rdb = _open_rdb(url, config, reporter, must_exist=True)
+    name = existing.study.study_name
+    study = optuna.load_study(study_name=name, storage=rdb)
+    study.sampler = make_sampler(config, seed_offset=seed_offset_of(study))
+    budget = study_budget(name, study.user_attrs, config.trials)
+    finished = count_finished(study)
+    info = _info(study, url, False, budget, finished, workload, hardware, ncpus, notes)
+    return info, _session(study, rdb, config, workload, space, here, budget, machine)
+
+
+def _allows_mixed(machine: Machine | None) -> bool:
+    return machine is not None and machine.allow_mixed_hardware
+
+
+def _resolved_space(
+    config: StudyConfig, hardware: Hardware | None
+) -> tuple[ResolvedSpace, int, int]:
+    """The config's space on this machine (its ranks, its usable CPUs) and those two: without
+    a machine (`init`), this host's CPUs."""
     ncpus = hardware.usable_cpus if hardware else usable_cpus()
     cuda = hardware is not None and hardware.device_type == "cuda"
     # num_workers and torch threads are per rank: each rank's share of the node's CPUs.
     ranks = resolve_ranks(config.training.ranks, "cuda" if cuda else "cpu")
-    space = config.space.resolve(max(1, ncpus // ranks), cuda=cuda)
-    mixed: list[str] = []
-    if existing is None:
-        check_budget(config.training, space, ranks)
-    elif hardware is not None:
-        mixed = check_hardware(existing.study, hardware, allow_mixed)  # before the build
-    if workload is None:
-        spec = config.workload
-        reporter.preparing(f"building workload {spec} (its data and model)")
-        workload = load_workload(config.workload, config.workload_options)
-    else:
-        spec = f"python:{workload.name}"  # built in memory by the caller
-    if hardware is not None:
-        space = fit_to_machine(space, workload, ranks)
-    notes = [*space.notes, *mixed]
+    return config.space.resolve(max(1, ncpus // ranks), cuda=cuda), ranks, ncpus
 
-    shown = mask_url(url)
-    if existing is None:
-        reporter.preparing(f"opening storage {shown}")
-    else:
-        # Opened again below with the study's heartbeat settings: its connections are closed
-        # first, so that a worker never holds more than two.
-        existing.rdb.engine.dispose()
-    # With heartbeats on (their settings are the study's); a joining worker opened it before.
-    rdb = open_storage(
+
+def _workload(
+    config: StudyConfig, workload: Workload | None, reporter: Reporter
+) -> tuple[Workload, str]:
+    """The study's workload and its spec: built from the config, or the caller's own."""
+    if workload is not None:
+        return workload, f"python:{workload.name}"  # built in memory by the caller
+    reporter.preparing(f"building workload {config.workload} (its data and model)")
+    return load_workload(config.workload, config.workload_options), config.workload
+
+
+def _open_rdb(
+    url: str, config: StudyConfig, reporter: Reporter, *, must_exist: bool
+) -> optuna.storages.RDBStorage:
+    """The storage trials run in, with heartbeats on (their settings are the study's)."""
+    return open_storage(
         url,
-        must_exist=existing is not None,
+        must_exist=must_exist,
         workers=config.workers,
         on_stale=RetryStaleTrial(config.workers.max_retry),
         on_busy=reporter.warning,
     )
-    if existing is None:
-        name = config.name or DEFAULT_STUDY_NAME
-        stamp = fingerprint(config, workload, spec)
-        study, created = _open_study(rdb, name, config, stamp)
-        if hardware is not None:
-            notes += check_hardware(study, hardware, allow_mixed)
-        finished = count_finished(study)
-        budget, budget_notes = settle_budget(study, config, budget, finished, created)
-        notes += budget_notes
-        notes += store_settings(study, config, workload, stamp, created, budget)
-    else:
-        name, created = existing.study.study_name, False
-        study = optuna.load_study(study_name=name, storage=rdb)
-        study.sampler = make_sampler(config, seed_offset=_seed_offset(study))
-        budget = study_budget(name, study.user_attrs, config.trials)
-        finished = count_finished(study)
-    info = StudyInfo(
-        name=name,
-        storage=shown,
+
+
+def _info(
+    study: optuna.Study,
+    url: str,
+    created: bool,
+    budget: int,
+    finished: int,
+    workload: Workload,
+    hardware: Hardware | None,
+    ncpus: int,
+    notes: Sequence[str],
+) -> StudyInfo:
+    return StudyInfo(
+        name=study.study_name,
+        storage=mask_url(url),
         created=created,
         budget=budget,
         finished=finished,
@@ -413,10 +373,20 @@ def prepare_session(
         usable_cpus=ncpus,
         notes=tuple(notes),
     )
-    if here is None or machine is None:
-        return info, None  # `init`: no trial runs here
+
+
+def _session(
+    study: optuna.Study,
+    rdb: optuna.storages.RDBStorage,
+    config: StudyConfig,
+    workload: Workload,
+    space: ResolvedSpace,
+    here: tuple[torch.device, Hardware],
+    budget: int,
+    machine: Machine,
+) -> Session:
     device, hardware = here
-    return info, Session(
+    return Session(
         study=study,
         config=config,
         workload=workload,
@@ -446,49 +416,3 @@ def _summary(study: optuna.Study, loss_tolerance: float, hardware: Hardware) -> 
     """The whole study's results; only this machine's class when classes are mixed."""
     mixed = len(hardware_classes(study)) > 1
     return summarize(study, loss_tolerance, hardware.hardware_class if mixed else None)
-
-
-@dataclass(frozen=True)
-class ExistingStudy:
-    """A loader-search study opened for reading (``best``, ``report``) or joining (``worker``)."""
-
-    study: optuna.Study
-    rdb: optuna.storages.RDBStorage  # the storage it was opened with (no heartbeat)
-    storage: str  # its URL with any password masked
-    loss_tolerance: float  # the one asked for, else the study's stored one
-    hardware_classes: tuple[str, ...]  # of its trials, in the order they first ran
-
-
-def open_existing_study(
-    name: str,
-    storage: str | None = None,
-    *,
-    loss_tolerance: float | None = None,
-    on_busy: Callable[[str], None] | None = None,
-) -> ExistingStudy:
-    """Open the existing loader-search study ``name`` at the URL ``storage`` (``None``: the
-    default, see `resolve_storage_url`); `UserError` (one line) when there is no such study
-    (naming the ones there are) or the study is not a loader-search one. ``on_busy`` hears
-    of each wait for a server that refuses connections for now (see `open_storage`)."""
-    if loss_tolerance is not None and not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
-        raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
-    url = resolve_storage_url(storage)
-    opened, shown = open_storage(url, must_exist=True, on_busy=on_busy), mask_url(url)
-    names = optuna.study.get_all_study_names(opened)
-    if name not in names:
-        known = ", ".join(names) if names else "none"
-        raise UserError(
-            f"no study named {name!r} in {shown} (studies there: {known});"
-            " check the name or --storage, or create it with `loader-search run CONFIG`"
-        )
-    study = optuna.load_study(study_name=name, storage=opened)
-    directions = [d.name.lower() for d in study.directions]
-    if directions != list(DIRECTIONS) or FINGERPRINT_ATTR not in study.user_attrs:
-        raise UserError(
-            f"study {name!r} was not created by loader-search (it needs its two objectives,"
-            " throughput and val_loss): pick one from `loader-search studies`"
-        )
-    if loss_tolerance is None:
-        default = StudyConfig().loss_tolerance
-        loss_tolerance = study_tolerance(name, study.user_attrs, default)
-    return ExistingStudy(study, opened, shown, loss_tolerance, tuple(hardware_classes(study)))

@@ -1,6 +1,6 @@
 """Reading one table of a TOML document: typed getters that name the file, the key and the
 value in every error, and unknown keys reported when the table is done. The rules (ranges) of
-the values are not here: the settings dataclasses check them (`loader_search.params.RANGES`).
+the values are not here: the settings dataclasses check them (`loader_search._rules.RANGES`).
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from loader_search._rules import check_value
 from loader_search.errors import ConfigError, UserError, show_value
-from loader_search.params import check_value
 
 
 class Table:
@@ -40,7 +40,7 @@ class Table:
         return Table(self.source, prefix, self.pop(key, {}))
 
     def int(self, key: str, default: Any) -> Any:
-        """An integer; its range is checked where the rule is (`loader_search.params.RANGES`)."""
+        """An integer; its range is checked where the rule is (`loader_search._rules.RANGES`)."""
         value = self.pop(key, default)
         if value is not None and not is_int(value):
             raise self.error(key, value, "must be an integer")

@@ -1,22 +1,23 @@
-"""Where studies live: resolving, masking and opening storage URLs.
+"""Where studies live: resolving and opening storage URLs.
 
 Default is a SQLite file in the current directory (zero set-up). ``--storage`` on the command
 line wins over ``LOADER_SEARCH_STORAGE``, which wins over the default; a server URL without a
 password takes it from the file ``LOADER_SEARCH_STORAGE_PASSWORD_FILE`` names. Passwords never
-leave this module unmasked: every URL shown to a user goes through `mask_url`.
+leave unmasked: every URL shown to a user goes through `mask_url`
+(`loader_search.team._masking`). What a database error means, and retrying through an outage,
+is `loader_search.team._db_errors`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import sqlite3
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy
 import sqlalchemy.exc
@@ -25,6 +26,8 @@ from sqlalchemy.engine import URL, make_url
 from loader_search import interrupts
 from loader_search.errors import UserError
 from loader_search.params import WorkersSettings
+from loader_search.team._db_errors import first_line, is_busy, is_transient, outage, timed_out
+from loader_search.team._masking import authority_is_ambiguous, mask_in, mask_url
 
 if TYPE_CHECKING:
     import optuna
@@ -52,12 +55,6 @@ _KEEPALIVES = {
     "keepalives_interval": 10,
     "keepalives_count": 3,
 }
-
-# Query parameters that may carry secrets: password, passwd, pwd, sslpassword, api_token...
-_SECRET_KEY = re.compile(r"pass|pwd|secret|token|key", re.IGNORECASE)
-# Shorter secrets would be replaced inside ordinary words, which reveals them: such messages
-# are dropped instead of masked.
-_MIN_MASKABLE = 4
 
 _DRIVER_HINTS = {
     "psycopg": "pip install 'loader-search[postgres]'",
@@ -207,68 +204,6 @@ def check_shared(url: str, command: str) -> None:
         )
 
 
-def _authority_is_ambiguous(url: str) -> bool:
-    """``user:p@ss@host`` or ``user:p/ss@host``: an unencoded ``@`` or ``/`` in the user
-    name or password, which parsers split wrongly (the password then lands in the host or
-    the database name, where no masking finds it). Any ``@`` outside ``user:pw@host`` is
-    taken as such."""
-    _, sep, rest = url.partition("://")
-    if not sep:
-        return False
-    in_authority = rest.split("/", 1)[0].count("@")
-    return in_authority > 1 or rest.count("@") > in_authority
-
-
-def _secrets(url: URL) -> list[str]:
-    values = [url.password] if url.password else []
-    for key, value in url.query.items():
-        if _SECRET_KEY.search(key):
-            values.extend([value] if isinstance(value, str) else list(value))
-    return [str(v) for v in values if v]
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password (``user:pw@``, ``?password=``, ``?sslpassword=``...)
-    replaced by ``***``; unparsable or ambiguous input is hidden whole."""
-    if _authority_is_ambiguous(url):
-        return "<storage URL with an unencoded @>"
-    try:
-        parsed = make_url(url)
-        hidden = {k: "***" for k in parsed.query if _SECRET_KEY.search(k)}
-        shown = parsed.update_query_dict(hidden).render_as_string(hide_password=True)
-        return shown.replace("%2A%2A%2A", "***")
-    except Exception:
-        return "<unparsable storage URL>"
-
-
-_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s]+@")
-
-
-# ``password=...`` in a libpq connection string, a URL's query or a driver's keyword arguments.
-_KEY_PASSWORD = re.compile(
-    r"""(\b(?:ssl)?(?:password|passwd|pwd)['"]?\s*[=:]\s*['"]?)[^\s&'",)]+""", re.IGNORECASE
-)
-
-
-def scrub_urls(text: str) -> str:
-    """Mask the password of any URL inside free text (an unexpected error's message, a
-    traceback), and any ``password=...`` pair."""
-    return _KEY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
-
-
-def _mask_in(text: str, url: str) -> str:
-    """Remove any password from a driver's message, should it quote one."""
-    try:
-        secrets = _secrets(make_url(url))
-    except Exception:
-        return "(details hidden: they may contain the password)"
-    for secret in secrets:
-        if len(secret) < _MIN_MASKABLE:
-            return "(details hidden: they may contain the password)"
-        text = text.replace(secret, "***")
-    return text
-
-
 def open_storage(
     url: str,
     *,
@@ -292,7 +227,7 @@ def open_storage(
     import optuna
 
     shown = mask_url(url)
-    if _authority_is_ambiguous(url):
+    if authority_is_ambiguous(url):
         raise UserError(
             f"storage URL {shown} has more than one '@' before the host, or one after a '/':"
             " percent-encode '@' as %40 and '/' as %2F in the user name or password"
@@ -414,7 +349,7 @@ def _driver_error_message(exc: ImportError, parsed: URL, shown: str) -> UserErro
     fix = f"pip install 'loader-search[{extra}]'" if extra else "reinstall the database driver"
     return UserError(
         f"storage URL {shown}: the database driver cannot be loaded"
-        f" ({type(origin).__name__}: {_first_line(origin)}); {fix}"
+        f" ({type(origin).__name__}: {first_line(origin)}); {fix}"
     )
 
 
@@ -437,7 +372,7 @@ def _open_error(exc: Exception, url: str, shown: str) -> UserError:
         # Optuna wraps errors raised at commit: the driver's own message is the cause's.
         cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
         return UserError(
-            f"cannot reach storage {shown}: {_mask_in(_first_line(cause), url)}; check the"
+            f"cannot reach storage {shown}: {mask_in(first_line(cause), url)}; check the"
             " host, the credentials and that the database exists"
         )
     if isinstance(exc, RuntimeError) and "no longer compatible" in str(exc):
@@ -447,19 +382,8 @@ def _open_error(exc: Exception, url: str, shown: str) -> UserError:
         )
     # A bad URL option, a file that is not a database...
     return UserError(
-        f"cannot open storage {shown}: {type(exc).__name__}: {_mask_in(_first_line(exc), url)}"
+        f"cannot open storage {shown}: {type(exc).__name__}: {mask_in(first_line(exc), url)}"
     )
-
-
-# What the drivers say when a timeout ran out: pymysql ("... (timed out)"), psycopg
-# ("connection timeout expired"), the socket module ("timed out").
-_TIMED_OUT_WORDS = ("timed out", "timeout expired")
-
-
-def timed_out(exc: BaseException) -> bool:
-    """Whether the database driver gave up waiting for the server (a timeout ran out)."""
-    text = str(_driver_error(exc)).lower()
-    return any(words in text for words in _TIMED_OUT_WORDS)
 
 
 _DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
@@ -490,20 +414,9 @@ def _check_schema(url: str, shown: str) -> None:
         )
 
 
-T = TypeVar("T")
-
-_LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock_timeout
-
-# Errors that mean "the database is unreachable for now", not "the request is wrong".
-_TRANSIENT = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    sqlalchemy.exc.DisconnectionError,
-    # No pooled connection came free in time: another thread of this worker kept both while
-    # the server did not answer.
-    sqlalchemy.exc.TimeoutError,
-)
-
+# A server that refuses new connections for now (`is_busy`): how long `open_storage` keeps
+# trying it.
+BUSY_WAIT_S = 60.0
 
 _SCHEMA_RACE_TRIES = 5
 
@@ -523,129 +436,6 @@ def _lost_schema_race(exc: BaseException) -> bool:
     )
 
 
-# A server that refuses new connections for now: too many of them, or still starting up.
-BUSY_WAIT_S = 60.0  # how long `open_storage` keeps trying such a server
-_BUSY_SQLSTATES = frozenset({"53300", "57P03"})  # too_many_connections, cannot_connect_now
-_BUSY_MYSQL_ERRORS = frozenset({1040, 1203, 1226})  # too many connections, per-user limits
-
-
-# What PostgreSQL says then, for errors at connect time, which psycopg raises without a
-# SQLSTATE.
-_BUSY_WORDS = (
-    "too many connections",
-    "too many clients",
-    "the database system is starting up",
-    "the database system is not yet accepting connections",
-)
-
-
-def is_busy(exc: BaseException) -> bool:
-    """Whether the server refused for now: too many connections, or it is starting up."""
-    cause = _driver_error(exc)
-    if getattr(cause, "sqlstate", None) in _BUSY_SQLSTATES:
-        return True
-    if isinstance(exc, sqlalchemy.exc.OperationalError) or isinstance(
-        exc.__cause__, sqlalchemy.exc.OperationalError
-    ):
-        text = str(cause).lower()
-        if any(words in text for words in _BUSY_WORDS):
-            return True
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] in _BUSY_MYSQL_ERRORS
-
-
-def outage(exc: BaseException, url: str) -> str:
-    """What the database at ``url`` said, in one line and with its password masked: the
-    driver's error, not a wrapper's (Optuna reports any error at commit as "invalid data in
-    the commit, e.g. exceeding max length")."""
-    return _mask_in(describe_driver_error(exc), url)
-
-
-def describe_driver_error(exc: BaseException) -> str:
-    """`outage` where the URL is unknown (mask URLs in it with `scrub_urls`)."""
-    cause = _driver_error(exc)
-    return f"{type(cause).__name__}: {_first_line(cause)}"
-
-
-def _driver_error(exc: BaseException) -> BaseException:
-    """The driver's own exception under Optuna's and SQLAlchemy's wrappers."""
-    from optuna.exceptions import StorageInternalError
-
-    if isinstance(exc, StorageInternalError) and exc.__cause__ is not None:
-        exc = exc.__cause__
-    orig = getattr(exc, "orig", None)
-    return orig if isinstance(orig, BaseException) else exc
-
-
-# A database that refuses writes: SQLite's read-only file (or folder), PostgreSQL's read-only
-# transaction (a standby, default_transaction_read_only), MySQL/MariaDB's --read-only.
-_READ_ONLY_WORDS = ("readonly database", "read-only transaction", "--read-only option")
-_READ_ONLY_SQLSTATES = frozenset({"25006"})  # read_only_sql_transaction
-_READ_ONLY_MYSQL_ERRORS = frozenset({1290, 1836})
-
-
-def is_read_only(exc: BaseException) -> bool:
-    """Whether the database refused a write because it is read-only (for us): no outage,
-    nothing that waiting mends."""
-    cause = _driver_error(exc)
-    if getattr(cause, "sqlstate", None) in _READ_ONLY_SQLSTATES:
-        return True
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    if args and args[0] in _READ_ONLY_MYSQL_ERRORS:
-        return True
-    text = str(cause).lower()
-    return any(words in text for words in _READ_ONLY_WORDS)
-
-
-def read_only_error(exc: BaseException) -> UserError:
-    """The one-line message for a write the database refused (`is_read_only`)."""
-    return UserError(
-        f"the database refuses writes ({describe_driver_error(exc)}): the file or its folder is"
-        " not writable by you, or the server is read-only; give --storage a database you can"
-        " write (reading commands, `studies`, `best`, `report`, work as they are)"
-    )
-
-
-def is_transient(exc: BaseException) -> bool:
-    """A dropped connection or a restarting server; Optuna wraps those raised at commit in
-    StorageInternalError. A read-only database is not one (`is_read_only`)."""
-    from optuna.exceptions import StorageInternalError
-
-    if isinstance(exc, StorageInternalError):
-        exc = exc.__cause__  # type: ignore[assignment]
-    if not isinstance(exc, _TRANSIENT) or is_read_only(exc):
-        return False
-    # A lock wait that timed out (PostgreSQL's lock_timeout) is no outage: retrying would
-    # only wait again.
-    return getattr(getattr(exc, "orig", None), "sqlstate", None) != _LOCK_NOT_AVAILABLE
-
-
-def retrying(
-    action: Callable[[], T],
-    *,
-    deadline_s: float = 300.0,
-    on_retry: Callable[[BaseException, float], None] | None = None,
-) -> T:
-    """Run ``action``, retrying while the database is unreachable (up to ``deadline_s``).
-
-    A trial that finished while the database restarted must keep its result: its writes are
-    retried with backoff (0.5 s doubling to 10 s) instead of being lost. ``on_retry``
-    receives the error and the seconds until the next try.
-    """
-    start = time.monotonic()
-    pause = 0.5
-    while True:
-        try:
-            return action()
-        except Exception as exc:
-            if not is_transient(exc) or time.monotonic() - start + pause > deadline_s:
-                raise
-            if on_retry is not None:
-                on_retry(exc, pause)
-            interrupts.sleep(pause)  # Ctrl-C ends the wait
-            pause = min(pause * 2, 10.0)
-
-
 def _check_study_file(path: Path, shown: str) -> None:
     """For commands that only read: the SQLite file must exist and hold Optuna's tables, so
     a mistyped path neither creates a file nor adds tables to someone else's database."""
@@ -661,9 +451,3 @@ def _check_study_file(path: Path, shown: str) -> None:
         raise UserError(f"cannot open storage {shown}: {exc}") from None
     if not {"studies", "trials", "version_info"} <= names:
         raise UserError(f"{str(path)!r} is not a loader-search (Optuna) database: check --storage")
-
-
-def _first_line(exc: BaseException) -> str:
-    origin = getattr(exc, "orig", None) or exc
-    lines = str(origin).strip().splitlines()
-    return lines[0] if lines else type(origin).__name__

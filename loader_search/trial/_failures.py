@@ -17,22 +17,37 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Literal
 
 from loader_search.errors import TrainingDiverged
 
 if TYPE_CHECKING:
     from loader_search.trial._run import TrialResult
 
-# Failure reasons (`TrialFailure.reason`).
-CUDA_OOM = "cuda_oom"
-HOST_OOM = "host_oom"
-WORKER_KILLED = "worker_killed"
-TIMEOUT = "timeout"
-EXCEPTION = "exception"
-DIVERGED = "diverged"
-CRASHED = "crashed"
-INTERRUPTED = "interrupted"
+# Failure reasons (`TrialFailure.reason`): a trial's own, then the ones the study layer adds
+# (`loader_search.study._keys`: settings inferred not to fit without training them, queued
+# settings refused, a result the database could not take in time).
+FailureReason = Literal[
+    "cuda_oom",
+    "host_oom",
+    "worker_killed",
+    "timeout",
+    "exception",
+    "diverged",
+    "crashed",
+    "interrupted",
+    "inferred_oom",
+    "refused",
+    "lost",
+]
+CUDA_OOM: Final = "cuda_oom"
+HOST_OOM: Final = "host_oom"
+WORKER_KILLED: Final = "worker_killed"
+TIMEOUT: Final = "timeout"
+EXCEPTION: Final = "exception"
+DIVERGED: Final = "diverged"
+CRASHED: Final = "crashed"
+INTERRUPTED: Final = "interrupted"
 
 # Deterministic for a setting on given hardware: running it again would fail again, so the
 # search should learn to avoid it (Optuna constraint) rather than merely skip it.
@@ -74,13 +89,13 @@ MESSAGE_CHARS = 500
 class TrialFailure:
     """Why a trial did not produce a result.
 
-    ``reason`` is one of the module's reason constants; ``message`` one line naming what
+    ``reason`` is one of `FailureReason`; ``message`` one line naming what
     happened; ``hint`` one actionable line; ``traceback`` the last lines of the Python
     traceback ("" when there is none, e.g. the process was killed); ``infeasible`` whether the
     setting cannot work on this hardware (see `INFEASIBLE_REASONS`).
     """
 
-    reason: str
+    reason: FailureReason
     message: str
     hint: str
     traceback: str = ""
@@ -114,7 +129,7 @@ class TrialOutcome:
 
 
 def failure_for(
-    reason: str, message: str, trace: str = "", hint: str | None = None
+    reason: FailureReason, message: str, trace: str = "", hint: str | None = None
 ) -> TrialFailure:
     """A `TrialFailure` with the reason's standard hint and infeasibility."""
     return TrialFailure(

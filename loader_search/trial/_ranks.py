@@ -44,6 +44,8 @@ from loader_search.trial._failures import (
     classify_exception,
     classify_exit,
 )
+from loader_search.trial._messages import Ended, Failed, Trained
+from loader_search.trial._processes import die_with_parent, release_openmp_threads
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -106,8 +108,6 @@ def run_ranks(
     """Run ``train_one`` (a single-rank trial, given its `RankContext`) on ``world`` ranks:
     this process as rank 0, the others forked now; merge their results (see the module
     docstring). Raises `RankFailed` with the failing rank's failure."""
-    from loader_search.trial._supervisor import release_openmp_threads
-
     backend = backend_for(device, world)
     folder = tempfile.mkdtemp(prefix="loader-search-ranks-")
     store = os.path.join(folder, "store")
@@ -168,14 +168,12 @@ def _sibling_main(
     conn: Connection, parent: int, rank: RankContext, store: str, train_one: TrainOne
 ) -> None:
     """A rank other than 0: train, send the result or the classified failure, exit."""
-    from loader_search.trial._supervisor import die_with_parent
-
     die_with_parent(parent)
     code = 0
     try:
-        message: tuple[Any, ...] = ("result", _in_group(rank, store, train_one))
+        message: Ended = Trained(_in_group(rank, store, train_one), time.perf_counter())
     except BaseException as exc:  # everything is reported; the process ends right after
-        message, code = ("failure", classify_exception(exc)), 1
+        message, code = Failed(classify_exception(exc), time.perf_counter()), 1
     with contextlib.suppress(Exception):
         conn.send(message)
         conn.close()
@@ -193,8 +191,8 @@ def _sibling_failure(
             with contextlib.suppress(EOFError, OSError):
                 if reader.poll():
                     message = reader.recv()
-                    if message[0] == "failure":
-                        return number, message[1]
+                    if isinstance(message, Failed):
+                        return number, message.failure
             if process.exitcode not in (None, 0):
                 return number, classify_exit(process.exitcode)
         if time.perf_counter() >= deadline:
@@ -218,9 +216,9 @@ def _sibling_result(
     except EOFError:
         process.join(timeout=5)
         raise RankFailed(number, classify_exit(process.exitcode)) from None
-    if message[0] == "failure":
-        raise RankFailed(number, message[1])
-    result: TrialResult = message[1]
+    if isinstance(message, Failed):
+        raise RankFailed(number, message.failure)
+    result: TrialResult = message.result
     return result
 
 

@@ -11,6 +11,9 @@ whose validation loss the study already knows stops at that mark without evaluat
 measuring all trials over the same window keeps them comparable (the whole run's reading is
 kept as ``full_window_throughput_samples_per_s``). It can also ask for the ceiling: the same
 model fed pre-decoded batches already on the device.
+
+This module sets a run up and reports it; the training loop is `loader_search.trial._train`,
+the validation pass `loader_search.trial._evaluate`, the ceiling `loader_search.trial._ceiling`.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from loader_search.params import (
     TrainingSettings,
     scaled_lr,
 )
+from loader_search.trial._ceiling import measure_ceiling, no_progress, sync_for
+from loader_search.trial._evaluate import evaluate
 from loader_search.trial._loader import ThreadLoader, build_loader
-from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats
+from loader_search.trial._measure import PeakRSS, StepMeter
 from loader_search.trial._pages import own_pages
 from loader_search.trial._ranks import (
     RankContext,
@@ -46,20 +51,16 @@ from loader_search.trial._ranks import (
     run_ranks,
     wrap_model,
 )
-from loader_search.trial._stages import StageCosts, StageMeter, TimedCollate, timed_dataset
-from loader_search.trial._step import FirstStepClock, Step, compiled_graphs
+from loader_search.trial._stages import StageMeter, TimedCollate, timed_dataset
+from loader_search.trial._step import Step
 from loader_search.trial._system import OtherLoad, usable_cpus
+from loader_search.trial._train import Mark, Trained, train
 from loader_search.workloads import Workload
 
 # Batches measured after the warm-up, at the least: fewer make throughput a coin toss.
 MIN_MEASURED_BATCHES = 8
 # Batches a shortened run trains past the first epoch boundary (see `short_run_samples`).
 BATCHES_PAST_EPOCH = 4
-# The ceiling: steps timed on pre-decoded batches, at the least, and for at least this long.
-CEILING_WARMUP_STEPS = 2
-CEILING_MIN_STEPS = 5
-CEILING_MIN_S = 0.5
-CEILING_DISTINCT_BATCHES = 2  # cycled: their content does not change the compute
 
 
 def warmup_batches(params: LoaderParams, extra: int) -> int:
@@ -151,17 +152,6 @@ class TrialResult:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def _no_progress() -> None:
-    pass
-
-
-def _sync_for(device: torch.device) -> Callable[[], None]:
-    """Waits for the device's queued work (CUDA runs asynchronously); a no-op on CPU."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def run_trial(
     workload: Workload,
     params: LoaderParams,
@@ -187,7 +177,7 @@ def run_trial(
     mark and the window are per rank.
     """
     device = torch.device(device)
-    tick = progress if progress is not None else _no_progress
+    tick = progress if progress is not None else no_progress
     world = resolve_ranks(settings.ranks, device)
     if world > 1 and rank is None:
 
@@ -199,392 +189,236 @@ def run_trial(
     if rank is not None:
         device = rank_device(device, rank)
         plan = per_rank_plan(plan, rank.world)
+    run = _Run(workload, params, settings, device, plan, rank, tick)
     budget_samples = rank_budget(settings.train_samples, rank)
-    warmup = warmup_batches(params, settings.warmup_batches)
     steps = math.ceil(budget_samples / params.micro_batch_size)
     if steps < batches_needed(params, settings.warmup_batches):
         raise ValueError(
             f"train_samples = {budget_samples} gives {steps} batches of"
-            f" {params.micro_batch_size}, but {warmup} warm-up + {MIN_MEASURED_BATCHES}"
+            f" {params.micro_batch_size}, but {run.warmup} warm-up + {MIN_MEASURED_BATCHES}"
             " measured batches are needed; raise train_samples"
         )
-    lr = scaled_lr(
-        settings.lr if settings.lr is not None else workload.base_lr,
-        params.batch_size,
-        settings.batch_size,
-        settings.lr_scaling,
-    )
-    sync = _sync_for(device) if rank is None else rank_sync(_sync_for(device))
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(params.torch_threads)
     try:
-        torch.manual_seed(settings.seed)  # every trial starts from the same weights
-        model = workload.make_model().to(device)
-        plain = model  # without DDP: what rank 0 evaluates and reads the ceiling of
-        if rank is not None:
-            if settings.channels_last:  # before DDP lays out its gradient buckets
-                plain = model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-            model = wrap_model(model, device)
-        step = Step(workload, settings, model, device, pin_memory=params.pin_memory)
-        optimizer = workload.make_optimizer(step.module.parameters(), lr)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        if params.num_workers == 0 or params.backend == "thread":
-            # This process loads its own samples: their pages are made its own first, as a
-            # fresh training script's are (the trial is forked; see trial._pages).
-            own_pages(workload.train_dataset)
-        with PeakRSS() as rss:
-            train_start = time.perf_counter()
-            train_dataset = timed_dataset(workload.train_dataset)
-            loader = build_loader(
-                train_dataset,
-                params,
-                shuffle=True,
-                seed=settings.seed,
-                collate_fn=TimedCollate(workload.collate_fn),
-                sampler=(
-                    distributed_sampler(train_dataset, rank, settings.seed)
-                    if rank is not None
-                    else None
-                ),
-            )
-            meter = StepMeter(
-                warmup,
-                sync,
-                # Every rank must open its window at the same step (a barrier): fixed.
-                until_stable=step.compiled and rank is None,
-                max_warmup=steps - MIN_MEASURED_BATCHES,
-            )
-            stages = StageMeter(usable_cpus())
-            mark = _Mark(plan.short_samples, train_start)
-            budget = budget_samples
-            if plan.stop_early and plan.short_samples is not None:
-                budget = min(budget, plan.short_samples)
-            trained = _train(step, optimizer, loader, (meter, stages), budget, params, tick, mark)
-            stats, costs = trained.stats, trained.costs
-            del loader  # shuts down persistent workers before evaluation
-            train_time = time.perf_counter() - train_start
-            final_loss = float(trained.last_loss)
-            untrained_loss = float(trained.first_loss)
-            if not math.isfinite(final_loss):
-                raise TrainingDiverged(
-                    f"training loss became {final_loss} at lr={lr:.4g}; lower the learning rate"
-                    " or use lr_scaling = 'sqrt'"
-                )
-            val_loss: float | None = None
-            val_accuracy: float | None = None
-            eval_start = time.perf_counter()
-            # With ranks, rank 0 alone evaluates (and reads the ceiling), on the model
-            # without DDP: no collectives; the other ranks have trained their share.
-            judge: Step | None = step
-            if rank is not None:
-                judge = Step(workload, settings, plain, device, pin_memory=params.pin_memory)
-            if rank is not None and not rank.is_main:
-                judge = None
-            if judge is not None and plan.stop_early:
-                # One evaluation batch, unscored: a setting whose evaluation runs out of
-                # memory must not pass as feasible because it stopped early.
-                _evaluate(judge, params, settings, tick, max_batches=1)
-            elif judge is not None:
-                val_loss, val_accuracy = _evaluate(judge, params, settings, tick)
-                if not math.isfinite(val_loss):
-                    raise TrainingDiverged(f"validation loss is {val_loss} at lr={lr:.4g}")
-            eval_time = time.perf_counter() - eval_start
-        # The trial's own peak: the ceiling's extra batches on the device are not the loader's.
-        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        ceiling = other_load = None
-        if plan.measure_ceiling and judge is not None:
-            load = OtherLoad()
-            ceiling = measure_ceiling(judge, optimizer, params, tick)
-            other_load = load.share()
+        measured = _train_and_measure(run, budget_samples, steps)
     finally:
         torch.set_num_threads(previous_threads)
-    window = mark.stats or stats
-    window_costs = mark.costs or costs
-    return TrialResult(
-        throughput_samples_per_s=window.throughput,
-        val_loss=val_loss,
-        val_accuracy=val_accuracy,
-        data_wait_fraction=window.data_wait_fraction,
-        time_to_first_batch_s=stats.time_to_first_batch_s,
-        peak_host_rss_bytes=rss.peak_bytes,
-        peak_gpu_bytes=peak_gpu,
-        train_samples=budget,
-        measured_samples=window.measured_samples,
-        measured_time_s=window.measured_time_s,
-        warmup_batches=stats.warmup_batches,
-        epochs=trained.epochs,
-        lr=lr,
-        final_train_loss=final_loss,
-        train_time_s=train_time,
-        eval_time_s=eval_time,
-        device=str(device),
-        stopped_early=plan.stop_early,
-        short_samples=mark.samples if mark.stats else None,
-        short_train_time_s=mark.elapsed_s,
-        full_window_throughput_samples_per_s=(
-            stats.throughput if mark.stats and not plan.stop_early else None
-        ),
-        ceiling_samples_per_s=ceiling,
-        ceiling_other_load=other_load,
-        untrained_loss=untrained_loss if math.isfinite(untrained_loss) else None,
-        producer_cpu_s_per_sample=window_costs.producer_cpu_s_per_sample,
-        collate_cpu_s_per_batch=window_costs.collate_cpu_s_per_batch,
-        main_cpu_s_per_batch=window_costs.main_cpu_s_per_batch,
-        cpu_used_cores=window_costs.cpu_used,
-        other_load=window_costs.other_load,
-        cpus_available=window_costs.cpus_available,
-        compile_time_s=trained.compile_time_s,
-        window_recompiles=window.excluded_steps if step.compiled else None,
-        window_recompile_s=window.excluded_s if step.compiled else None,
-        skipped_steps=step.skipped_steps if step.scaler is not None else None,
-        slowest_step_over_median=window.slowest_step_over_median,
-    )
-
-
-class _Mark:
-    """The reading at ``samples`` trained: the window's stats and the training time so far."""
-
-    def __init__(self, samples: int | None, started: float) -> None:
-        self.samples = samples
-        self._started = started
-        self.stats: WindowStats | None = None
-        self.costs: StageCosts | None = None
-        self.elapsed_s: float | None = None
-
-    def reached(self, seen: int, meter: StepMeter, stages: StageMeter) -> None:
-        if self.samples is None or self.stats is not None or seen < self.samples:
-            return
-        if meter.measured_samples > 0:  # too early a mark has no window: no reading
-            self.stats = meter.snapshot()
-            self.costs = stages.snapshot()
-            self.elapsed_s = time.perf_counter() - self._started
-
-
-def measure_ceiling(
-    step: Step,
-    optimizer: torch.optim.Optimizer,
-    params: LoaderParams,
-    progress: Callable[[], None] = _no_progress,
-) -> float:
-    """Samples/s of the same step and batch size fed from batches already decoded and on
-    the device: the throughput no loader setting can beat (loader efficiency divides by it).
-
-    A few batches are decoded once, moved to the device, and cycled: their content does not
-    change the compute. Timed after ``CEILING_WARMUP_STEPS``, device-synchronised, for at
-    least ``CEILING_MIN_STEPS`` steps and ``CEILING_MIN_S`` seconds. It trains the model on
-    (so it runs after the evaluation).
-    """
-    micro = params.micro_batch_size
-    plain = LoaderParams(batch_size=micro, torch_threads=params.torch_threads)
-    workload = step.workload
-    loader = build_loader(
-        workload.train_dataset, plain, shuffle=True, collate_fn=workload.collate_fn
-    )
-    batches = []
-    for batch in loader:
-        if step.size(batch) < micro:
-            break  # a short last batch would compile a new shape and time another step
-        batches.append(step.prepare(batch))
-        if len(batches) == CEILING_DISTINCT_BATCHES:
-            break
-    if not batches:
-        raise ValueError(f"the training set has fewer than {micro} samples")
-    sync = _sync_for(step.device)
-    step.module.train()
-    accumulate = params.accumulation_steps
-
-    def one(i: int) -> int:  # one micro-batch; the optimizer steps after each full batch
-        batch = batches[i % len(batches)]
-        loss = step.loss(batch)
-        if i % accumulate == 0:
-            optimizer.zero_grad(set_to_none=True)
-        step.backward(loss / accumulate if accumulate > 1 else loss)
-        if i % accumulate == accumulate - 1:
-            step.optimizer_step(optimizer)
-        progress()
-        return micro
-
-    warmup = CEILING_WARMUP_STEPS * accumulate
-    for i in range(warmup):
-        one(i)
-    sync()
-    start = time.perf_counter()
-    samples = steps = 0
-    while (
-        steps < CEILING_MIN_STEPS * accumulate
-        or steps % accumulate
-        or time.perf_counter() - start < CEILING_MIN_S
-    ):
-        samples += one(warmup + steps)
-        steps += 1
-        if steps % CEILING_MIN_STEPS == 0:
-            sync()  # the clock must see finished work, not queued work
-    sync()
-    return samples / (time.perf_counter() - start)
+    return measured.result(run)
 
 
 @dataclass(frozen=True)
-class _Trained:
-    """What `_train` returns: the last batch's loss and the first's (tensors: no per-step
-    device sync), the epochs begun, the measured window, its stage costs, and with compile
-    the first step's time."""
+class _Run:
+    """What one rank of one trial runs: the trial's inputs as `run_trial` resolved them (the
+    rank's device and plan), with the learning rate scaled to the batch size."""
 
-    last_loss: torch.Tensor
-    first_loss: torch.Tensor
-    epochs: int
-    stats: WindowStats
-    costs: StageCosts
-    compile_time_s: float | None
+    workload: Workload
+    params: LoaderParams
+    settings: TrainingSettings
+    device: torch.device
+    plan: RunPlan
+    rank: RankContext | None
+    tick: Callable[[], None]
+
+    @property
+    def warmup(self) -> int:
+        return warmup_batches(self.params, self.settings.warmup_batches)
+
+    @property
+    def lr(self) -> float:
+        settings = self.settings
+        return scaled_lr(
+            settings.lr if settings.lr is not None else self.workload.base_lr,
+            self.params.batch_size,
+            settings.batch_size,
+            settings.lr_scaling,
+        )
+
+    def step(self, model: torch.nn.Module) -> Step:
+        return Step(
+            self.workload, self.settings, model, self.device, pin_memory=self.params.pin_memory
+        )
 
 
-def _train(
-    step: Step,
-    optimizer: torch.optim.Optimizer,
-    loader: DataLoader[Any] | ThreadLoader,
-    meters: tuple[StepMeter, StageMeter],
-    budget: int,
-    params: LoaderParams,
-    progress: Callable[[], None],
-    mark: _Mark,
-) -> _Trained:
-    """The training loop. The loader yields `TimedBatch`es (see
-    `loader_search.trial._stages`); every batch goes through ``step``. With torch.compile, a
-    step that compiled a new graph inside the window (a short last batch, a new shape) is
-    left out of the window and counted (`StepMeter.step`'s ``exclude``)."""
-    meter, stages = meters
-    step.module.train()
-    meter.start()
-    iterator = iter(loader)
-    epochs = 1
-    seen = 0
-    sampler = getattr(loader, "sampler", None)  # a rank's share, or the whole data set
-    epoch_size = len(sampler if sampler is not None else loader.dataset)  # type: ignore[arg-type]
-    in_epoch = 0  # samples of this epoch so far
-    batch_left = 0  # samples of the effective batch still to come as micro-batches
-    batch_samples = 0  # what the effective batch averages over
-    loss = torch.zeros(())
-    first: torch.Tensor | None = None
-    in_process = params.num_workers == 0  # threads, like worker processes, produce aside
-    clock = FirstStepClock(step)
-    graphs = compiled_graphs() if step.compiled else None
-    while seen < budget:
-        meter.wait_begin()
-        cpu_before = time.thread_time()
-        try:
-            timed = next(iterator)
-        except StopIteration:  # next epoch: the restart's wait is real loading time
-            epochs += 1
-            in_epoch = 0
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if set_epoch is not None:  # a rank's DistributedSampler: a new order
-                set_epoch(epochs - 1)
-            iterator = iter(loader)
-            timed = next(iterator)
-        meter.wait_end()
-        stages.received(timed, time.thread_time() - cpu_before, in_process)
-        batch = timed.batch
-        size = step.size(batch)
-        n = min(size, budget - seen)
-        if n < size:  # the budget is exact, whatever the batch size
-            batch = step.take(batch, n)
-        cpu_before = time.thread_time()
-        batch = step.prepare(batch)
-        stages.copied(time.thread_time() - cpu_before)
-        began = time.perf_counter()
-        clock.begin()
-        if batch_left == 0:  # an effective batch begins: as the whole batch's loader cuts it
-            batch_samples = min(params.batch_size, budget - seen, epoch_size - in_epoch)
-            batch_left = batch_samples
-            optimizer.zero_grad(set_to_none=True)
-        with step.no_sync(batch_left - n > 0):  # DDP: all-reduce on the stepping one only
-            loss = step.loss(batch)
-            if first is None:
-                first = loss.detach()  # the untrained model's loss: before its first step
-            if params.accumulation_steps > 1:  # weighted so that the sum is the batch's mean
-                step.backward(loss * (n / batch_samples))
-            else:
-                step.backward(loss)
-        batch_left -= n
-        if batch_left <= 0:
-            step.optimizer_step(optimizer)
-            batch_left = 0
-        clock.end()
-        seen += n
-        in_epoch += n
-        exclude = None
-        if graphs is not None:
-            now = compiled_graphs()
-            if now != graphs and meter.in_window:
-                exclude = time.perf_counter() - began  # a recompilation: not the loader's
-            graphs = now
-        meter.step(n, exclude)
-        if meter.in_window and not stages.is_open:
-            stages.open()  # the same batches as the throughput window
-        mark.reached(seen, meter, stages)
-        progress()
-    # The window closes before the iterator is dropped: shutting workers down is not training,
-    # and persistent and non-persistent loaders must be timed alike.
-    stats = meter.finish()
-    costs = stages.snapshot()
-    del iterator
-    return _Trained(
-        loss.detach(),
-        loss.detach() if first is None else first,
-        epochs,
-        stats,
-        costs,
-        clock.seconds,
+@dataclass(frozen=True)
+class _Measured:
+    """What one rank's run measured, before it becomes a `TrialResult`: the training (its
+    loop's `Trained`, the early-stop `Mark`, the samples it trained and its time), the
+    evaluation, the peaks, and the ceiling."""
+
+    trained: Trained
+    mark: Mark
+    step: Step
+    budget: int
+    train_time_s: float
+    val_loss: float | None
+    val_accuracy: float | None
+    eval_time_s: float
+    peak_host_rss_bytes: int
+    peak_gpu_bytes: int | None
+    ceiling: float | None
+    ceiling_other_load: float | None
+
+    def result(self, run: _Run) -> TrialResult:
+        """The measurements as a trial reports them: the window at the early-stop mark when
+        there is one, else the whole run's."""
+        trained, mark, plan = self.trained, self.mark, run.plan
+        stats = trained.stats
+        window = mark.stats or stats
+        window_costs = mark.costs or trained.costs
+        untrained_loss = float(trained.first_loss)
+        compiled = self.step.compiled
+        return TrialResult(
+            throughput_samples_per_s=window.throughput,
+            val_loss=self.val_loss,
+            val_accuracy=self.val_accuracy,
+            data_wait_fraction=window.data_wait_fraction,
+            time_to_first_batch_s=stats.time_to_first_batch_s,
+            peak_host_rss_bytes=self.peak_host_rss_bytes,
+            peak_gpu_bytes=self.peak_gpu_bytes,
+            train_samples=self.budget,
+            measured_samples=window.measured_samples,
+            measured_time_s=window.measured_time_s,
+            warmup_batches=stats.warmup_batches,
+            epochs=trained.epochs,
+            lr=run.lr,
+            final_train_loss=float(trained.last_loss),
+            train_time_s=self.train_time_s,
+            eval_time_s=self.eval_time_s,
+            device=str(run.device),
+            stopped_early=plan.stop_early,
+            short_samples=mark.samples if mark.stats else None,
+            short_train_time_s=mark.elapsed_s,
+            full_window_throughput_samples_per_s=(
+                stats.throughput if mark.stats and not plan.stop_early else None
+            ),
+            ceiling_samples_per_s=self.ceiling,
+            ceiling_other_load=self.ceiling_other_load,
+            untrained_loss=untrained_loss if math.isfinite(untrained_loss) else None,
+            producer_cpu_s_per_sample=window_costs.producer_cpu_s_per_sample,
+            collate_cpu_s_per_batch=window_costs.collate_cpu_s_per_batch,
+            main_cpu_s_per_batch=window_costs.main_cpu_s_per_batch,
+            cpu_used_cores=window_costs.cpu_used,
+            other_load=window_costs.other_load,
+            cpus_available=window_costs.cpus_available,
+            compile_time_s=trained.compile_time_s,
+            window_recompiles=window.excluded_steps if compiled else None,
+            window_recompile_s=window.excluded_s if compiled else None,
+            skipped_steps=self.step.skipped_steps if self.step.scaler is not None else None,
+            slowest_step_over_median=window.slowest_step_over_median,
+        )
+
+
+def _train_and_measure(run: _Run, budget_samples: int, steps: int) -> _Measured:
+    """The run itself, with this process's torch threads already set: build the model, train,
+    evaluate, and read the ceiling when the plan asks."""
+    workload, params, device, plan = run.workload, run.params, run.device, run.plan
+    torch.manual_seed(run.settings.seed)  # every trial starts from the same weights
+    step, plain = _model(run)
+    optimizer = workload.make_optimizer(step.module.parameters(), run.lr)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if params.num_workers == 0 or params.backend == "thread":
+        # This process loads its own samples: their pages are made its own first, as a
+        # fresh training script's are (the trial is forked; see trial._pages).
+        own_pages(workload.train_dataset)
+    with PeakRSS() as rss:
+        train_start = time.perf_counter()
+        loader = _train_loader(run)
+        meter = StepMeter(
+            run.warmup,
+            sync_for(device) if run.rank is None else rank_sync(sync_for(device)),
+            # Every rank must open its window at the same step (a barrier): fixed.
+            until_stable=step.compiled and run.rank is None,
+            max_warmup=steps - MIN_MEASURED_BATCHES,
+        )
+        stages = StageMeter(usable_cpus())
+        mark = Mark(plan.short_samples, train_start)
+        budget = budget_samples
+        if plan.stop_early and plan.short_samples is not None:
+            budget = min(budget, plan.short_samples)
+        trained = train(step, optimizer, loader, (meter, stages), budget, params, run.tick, mark)
+        del loader  # shuts down persistent workers before evaluation
+        train_time = time.perf_counter() - train_start
+        final_loss = float(trained.last_loss)
+        if not math.isfinite(final_loss):
+            raise TrainingDiverged(
+                f"training loss became {final_loss} at lr={run.lr:.4g}; lower the learning rate"
+                " or use lr_scaling = 'sqrt'"
+            )
+        eval_start = time.perf_counter()
+        # With ranks, rank 0 alone evaluates (and reads the ceiling), on the model
+        # without DDP: no collectives; the other ranks have trained their share.
+        judge: Step | None = step
+        if run.rank is not None:
+            judge = run.step(plain)
+        if run.rank is not None and not run.rank.is_main:
+            judge = None
+        val_loss, val_accuracy = _judge(run, judge)
+        eval_time = time.perf_counter() - eval_start
+    # The trial's own peak: the ceiling's extra batches on the device are not the loader's.
+    peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    ceiling = other_load = None
+    if plan.measure_ceiling and judge is not None:
+        load = OtherLoad()
+        ceiling = measure_ceiling(judge, optimizer, params, run.tick)
+        other_load = load.share()
+    return _Measured(
+        trained=trained,
+        mark=mark,
+        step=step,
+        budget=budget,
+        train_time_s=train_time,
+        val_loss=val_loss,
+        val_accuracy=val_accuracy,
+        eval_time_s=eval_time,
+        peak_host_rss_bytes=rss.peak_bytes,
+        peak_gpu_bytes=peak_gpu,
+        ceiling=ceiling,
+        ceiling_other_load=other_load,
     )
 
 
-def _evaluate(
-    step: Step,
-    params: LoaderParams,
-    settings: TrainingSettings,
-    progress: Callable[[], None],
-    max_batches: int | None = None,
-) -> tuple[float, float | None]:
-    """Mean validation loss over all samples (and accuracy for class-index targets, with the
-    default step); over the first ``max_batches`` only when given."""
-    workers = params.num_workers if max_batches is None else 0  # one batch: no start-up
-    eval_params = LoaderParams(
-        batch_size=settings.eval_batch_size,
-        num_workers=workers,
-        prefetch_factor=params.prefetch_factor if workers else None,
-        pin_memory=params.pin_memory,
-        torch_threads=params.torch_threads,
-        start_method=params.start_method if workers else None,
-        backend=params.backend if workers else "process",
+def _model(run: _Run) -> tuple[Step, torch.nn.Module]:
+    """The freshly initialised model in its step (in DDP with ranks), and the model without
+    DDP: what rank 0 evaluates and reads the ceiling of."""
+    model = run.workload.make_model().to(run.device)
+    plain = model
+    if run.rank is not None:
+        if run.settings.channels_last:  # before DDP lays out its gradient buckets
+            plain = model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        model = wrap_model(model, run.device)
+    return run.step(model), plain
+
+
+def _train_loader(run: _Run) -> DataLoader[Any] | ThreadLoader:
+    """The trial's training loader, its samples and batches timed (`loader_search.trial._stages`);
+    with ranks, over this rank's share of the data."""
+    workload, seed = run.workload, run.settings.seed
+    train_dataset = timed_dataset(workload.train_dataset)
+    return build_loader(
+        train_dataset,
+        run.params,
+        shuffle=True,
+        seed=seed,
+        collate_fn=TimedCollate(workload.collate_fn),
+        sampler=(
+            distributed_sampler(train_dataset, run.rank, seed) if run.rank is not None else None
+        ),
     )
-    workload = step.workload
-    loader = build_loader(
-        workload.val_dataset, eval_params, shuffle=False, collate_fn=workload.collate_fn
-    )
-    step.module.eval()
-    total_loss = 0.0
-    correct = 0
-    count = 0
-    classification = True
-    for batches, batch in enumerate(loader, start=1):
-        n = step.size(batch)
-        batch = step.prepare(batch)
-        loss, outputs = step.eval_loss(batch)
-        total_loss += float(loss) * n
-        count += n
-        targets = batch[1] if outputs is not None else None
-        if (
-            classification
-            and outputs is not None
-            and isinstance(targets, torch.Tensor)
-            and outputs.dim() == 2
-            and targets.dim() == 1
-            and not targets.is_floating_point()
-        ):
-            correct += int((outputs.argmax(1) == targets).sum())
-        else:
-            classification = False
-        progress()
-        if max_batches is not None and batches >= max_batches:
-            break
-    return total_loss / count, (correct / count if classification else None)
+
+
+def _judge(run: _Run, judge: Step | None) -> tuple[float | None, float | None]:
+    """The evaluation this rank owes (none on a rank other than 0): the validation loss and
+    accuracy, or with ``stop_early`` one unscored batch (None, None)."""
+    if judge is None:
+        return None, None
+    if run.plan.stop_early:
+        # One evaluation batch, unscored: a setting whose evaluation runs out of
+        # memory must not pass as feasible because it stopped early.
+        evaluate(judge, run.params, run.settings, run.tick, max_batches=1)
+        return None, None
+    val_loss, val_accuracy = evaluate(judge, run.params, run.settings, run.tick)
+    if not math.isfinite(val_loss):
+        raise TrainingDiverged(f"validation loss is {val_loss} at lr={run.lr:.4g}")
+    return val_loss, val_accuracy

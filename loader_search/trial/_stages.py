@@ -13,7 +13,7 @@ time do not grow when processes contend for cores:
 * **CPU in use**: the CPU seconds the whole process tree (training process and workers) used
   per second of the window, next to the CPUs it may use: contention made visible.
 
-The consumer (the training step itself) is the ceiling (`loader_search.trial._run`).
+The consumer (the training step itself) is the ceiling (`loader_search.trial._ceiling`).
 
 Each batch carries its own producer timings from the worker to the training process (a
 `TimedBatch`, a named tuple, which DataLoader's pinning thread keeps intact), so the costs are

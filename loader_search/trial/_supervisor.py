@@ -38,18 +38,14 @@ This module imports neither Optuna nor (at import time) torch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import multiprocessing
 import os
-import signal
 import sys
 import time
 import warnings
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any
-
-import psutil
+from typing import TYPE_CHECKING
 
 from loader_search import interrupts
 from loader_search._inherited import close_inherited_locks
@@ -64,6 +60,17 @@ from loader_search.trial._failures import (
     failure_for,
 )
 from loader_search.trial._job import TrialJob
+from loader_search.trial._messages import Ended, Failed, Progress, Ready, Trained
+from loader_search.trial._processes import (
+    dead_worker_failure,
+    die_with_parent,
+    exited,
+    gib,
+    kill_tree,
+    release_openmp_threads,
+    tree_pss,
+    wait_for_exit,
+)
 
 NO_LIMITS = TrialLimits()  # the defaults: a 600 s progress timeout, no memory limit
 
@@ -238,7 +245,7 @@ class _Supervisor:
         next_memory_check = started
         sent_at: float | None = None
         received_at = 0.0
-        message: tuple[Any, ...] | None = None
+        message: Ended | None = None
         while message is None:
             interrupts.check()  # Ctrl-C, at a safe point (see loader_search.interrupts)
             ready = wait([reader, process.sentinel], timeout=_POLL_S)
@@ -250,30 +257,29 @@ class _Supervisor:
                     received = None
                 if received is None:
                     break
-                kind = received[0]
-                if kind == "ready":
+                if isinstance(received, Ready):
                     startup_s = now - started
-                elif kind in ("result", "failure"):
-                    message, sent_at, received_at = received, received[2], now
+                elif isinstance(received, (Trained, Failed)):
+                    message, sent_at, received_at = received, received.sent_at, now
                     break
                 last_progress = now
                 continue
-            if process.sentinel in ready or _exited(process):
+            if process.sentinel in ready or exited(process):
                 break
             if now - last_progress > limits.trial_timeout_s:
                 self._kill_silent(process, limits.trial_timeout_s)
                 break
             if limits.memory_limit_bytes is not None and now >= next_memory_check:
                 next_memory_check = now + MEMORY_POLL_S
-                used = _tree_pss(process.pid)  # type: ignore[arg-type]
+                used = tree_pss(process.pid)  # type: ignore[arg-type]
                 if used > limits.memory_limit_bytes:
                     self._kill(
                         process,
                         failure_for(
                             HOST_OOM,
-                            f"the trial used {_gib(used)} of host memory (PSS of the training"
+                            f"the trial used {gib(used)} of host memory (PSS of the training"
                             f" process and its loader workers), above the limit of"
-                            f" {_gib(limits.memory_limit_bytes)}; the trial was killed",
+                            f" {gib(limits.memory_limit_bytes)}; the trial was killed",
                         ),
                     )
                     break
@@ -288,10 +294,10 @@ class _Supervisor:
                 received = reader.recv()
             except EOFError:
                 break
-            if received[0] in ("result", "failure"):
-                message, sent_at, received_at = received, received[2], time.perf_counter()
+            if isinstance(received, (Trained, Failed)):
+                message, sent_at, received_at = received, received.sent_at, time.perf_counter()
         if message is not None:
-            _wait_for_exit(process, _EXIT_GRACE_S)
+            wait_for_exit(process, _EXIT_GRACE_S, _POLL_S)
         if received_at == 0.0:
             received_at = time.perf_counter()
         # Leftovers (a worker the child did not shut down) die with the trial.
@@ -299,10 +305,10 @@ class _Supervisor:
         ended = time.perf_counter()
         outcome_failure: TrialFailure | None
         result = None
-        if message is not None and message[0] == "result":
-            result, outcome_failure = message[1], None
+        if isinstance(message, Trained):
+            result, outcome_failure = message.result, None
         elif message is not None:
-            outcome_failure = message[1]
+            outcome_failure = message.failure
         elif self.killed is not None:
             outcome_failure = self.killed
         else:
@@ -320,8 +326,8 @@ class _Supervisor:
     def _kill_silent(self, process: ForkProcess, timeout_s: float) -> None:
         """Kill a trial that made no progress for ``timeout_s``: a timeout, unless a loader
         worker of it has died, which is then what stopped the training (see
-        `_dead_worker_failure`)."""
-        dead = _dead_worker_failure(process.pid)  # type: ignore[arg-type]
+        `loader_search.trial._processes.dead_worker_failure`)."""
+        dead = dead_worker_failure(process.pid)  # type: ignore[arg-type]
         self._kill(
             process,
             dead
@@ -339,7 +345,7 @@ class _Supervisor:
         (and process group id) may belong to someone else."""
         if not self.reaped and process.pid is not None:
             self.reaped = True
-            _kill_tree(process)
+            kill_tree(process)
 
 
 def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
@@ -348,7 +354,7 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
         os.setpgid(0, 0)  # a group of its own: terminal Ctrl-C reaches the parent only
     die_with_parent(parent_pid)
     close_inherited_locks()  # the parent's host lock, which no loader worker may keep
-    message: tuple[Any, ...]
+    message: Ended
     try:
         device = job.device
         if job.cpus is not None:
@@ -356,7 +362,7 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
         if job.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(job.gpu)  # read when CUDA initialises
             device = "cuda:0"
-        conn.send(("ready",))
+        conn.send(Ready())
         from loader_search.trial._run import run_trial
 
         result = run_trial(
@@ -367,15 +373,15 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
             progress=_ProgressPing(conn),
             plan=job.plan,
         )
-        message = ("result", result, time.perf_counter())
+        message = Trained(result, time.perf_counter())
     except BaseException as exc:  # everything is reported; the process ends right after
-        message = ("failure", classify_exception(exc), time.perf_counter())
+        message = Failed(classify_exception(exc), time.perf_counter())
     conn.send(message)
     conn.close()
 
 
 class _ProgressPing:
-    """``progress`` for `run_trial` in the child: a "progress" message to the parent at most
+    """``progress`` for `run_trial` in the child: a `Progress` message to the parent at most
     every interval (what its trial timeout watches), so a fast training loop does not flood
     the pipe."""
 
@@ -388,166 +394,4 @@ class _ProgressPing:
         now = time.perf_counter()
         if now - self.last >= self.interval_s:
             self.last = now
-            self.conn.send(("progress",))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the thread that forked it dies (PR_SET_PDEATHSIG):
-    a parent killed outright must not leave a trial training. Loader workers ask the same of
-    the trial (`loader_search.trial._loader.WorkerStart`): torch's own check, between
-    batches, misses a worker blocked in the dataset."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def release_openmp_threads() -> None:
-    """Free the forking thread's OpenMP worker threads before a fork.
-
-    GNU libgomp keeps a pool of threads per thread that ran a parallel region; a forked child
-    inherits the pool's bookkeeping but not its threads, and its first parallel op waits for
-    them forever. ``omp_pause_resource_all(omp_pause_hard)`` (OpenMP 5.0) joins them; the
-    parent's next parallel op simply starts new ones. A no-op where libgomp is not loaded
-    (Intel's and LLVM's OpenMP handle fork themselves).
-    """
-    try:
-        libgomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # type: ignore[attr-defined]
-        pause = libgomp.omp_pause_resource_all
-    except (OSError, AttributeError):
-        return
-    pause.argtypes = [ctypes.c_int]
-    pause(2)  # omp_pause_hard
-
-
-def _kill_tree(process: ForkProcess) -> None:
-    """SIGKILL the child's process group and every descendant of the child, then reap all.
-
-    Descendants are listed first, while the child still holds them: once it dies they are
-    re-parented and can no longer be found. The group catches workers forked meanwhile; the
-    group id cannot be reused while the child is an unreaped zombie, so it is killed before
-    the child is joined. A child in the parent's own group (it never ran) is killed alone.
-    """
-    pid = process.pid
-    if pid is None:
-        return
-    try:
-        descendants = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except OSError:  # already reaped: nothing of the group is left to find by its id
-        pass
-    for proc in descendants:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    process.join()
-    psutil.wait_procs(descendants, timeout=5)
-
-
-def _exited(process: ForkProcess) -> bool:
-    """Whether the child has ended, asked without reaping it (see `_kill_tree`).
-
-    Its sentinel and its end of the pipe do not say so by themselves: the loader workers it
-    forked inherited both, and a worker blocked in the dataset kept them open, so that a crash
-    of the training process was seen only at the trial timeout (or after 5 s, when an idle
-    worker noticed its parent was gone)."""
-    pid: int = process.pid  # type: ignore[assignment]
-    try:
-        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped already
-        return True
-    return found is not None
-
-
-def _wait_for_exit(process: ForkProcess, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for the child to end by itself, without reaping it."""
-    deadline = time.perf_counter() + timeout_s
-    while not _exited(process):
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            return
-        wait([process.sentinel], timeout=min(_POLL_S, left))
-
-
-def _dead_worker_failure(pid: int) -> TrialFailure | None:
-    """The failure of a loader worker of the trial process ``pid`` that has died and is not
-    yet reaped (a zombie): killed by a signal other than SIGTERM (which torch sends to the
-    workers it shuts down), or ended with an error code. None if there is none.
-
-    Torch reports a worker's death in the training process by raising from its SIGCHLD
-    handler, wherever the main thread happens to be; library code that swallows exceptions
-    there (torch's own profiler import does) loses it, and the training then waits 5 s for
-    torch's next check. A shorter trial timeout used to record such a trial as a ``timeout``
-    (2 of 8 runs with 4 workers and a 1 s timeout). The failure is worded as torch words it,
-    so it is classified as if torch had raised it (SIGKILL is then ``host_oom``, SIGBUS a
-    full /dev/shm).
-    """
-    try:
-        children = psutil.Process(pid).children()
-    except psutil.Error:
-        return None
-    for child in children:
-        status = _zombie_status(child.pid)
-        if status is None or status == 0:
-            continue
-        number = status & 0x7F
-        if number == signal.SIGTERM:
-            continue
-        if number:
-            text = f"is killed by signal: {_strsignal(number)}."
-        else:
-            text = f"exited unexpectedly with exit code {status >> 8}."
-        return classify_exception(RuntimeError(f"DataLoader worker (pid {child.pid}) {text}"))
-    return None
-
-
-def _zombie_status(pid: int) -> int | None:
-    """The wait status of ``pid`` if it is a zombie (``exit_code``, field 52 of
-    ``/proc/PID/stat``), else None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
-            text = file.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()  # from field 3, the state
-    if len(fields) < 50 or fields[0] != "Z":
-        return None
-    try:
-        return int(fields[49])
-    except ValueError:
-        return None
-
-
-def _strsignal(number: int) -> str:
-    try:
-        return signal.strsignal(number) or f"signal {number}"
-    except ValueError:
-        return f"signal {number}"
-
-
-def _tree_pss(pid: int) -> int:
-    """Proportional set size of ``pid`` and its descendants: pages shared between them (the
-    parent's, inherited on fork; shared-memory batches) count once, split between mappers."""
-    total = 0
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    for proc in processes:
-        try:
-            info = proc.memory_full_info()
-            total += getattr(info, "pss", info.rss)
-        except psutil.Error:  # exited between listing and reading
-            continue
-    return total
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+            self.conn.send(Progress())

@@ -33,7 +33,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
-from loader_search.params import Range, check_options
+from loader_search._rules import Range, check_options
 from loader_search.workloads._base import Workload
 from loader_search.workloads.synthetic_images import SmallCNN
 

@@ -20,7 +20,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset
 
-from loader_search.params import Range, check_options
+from loader_search._rules import Range, check_options
 from loader_search.workloads._base import Workload
 
 _MEAN = torch.tensor([0.5, 0.5, 0.5]).view(3, 1, 1)

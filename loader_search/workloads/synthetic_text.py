@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from loader_search.params import Range, check_options
+from loader_search._rules import Range, check_options
 from loader_search.workloads._base import Workload
 
 PAD = 0

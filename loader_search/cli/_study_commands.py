@@ -1,0 +1,155 @@
+"""The commands that run a study: ``run`` (create or continue it and run its trials), ``init``
+(create it, run nothing) and ``worker`` (join it). Heavy modules (torch, optuna) are imported
+inside the commands: ``--help`` and input errors answer at once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from loader_search.cli._console import live_progress, print_study_ready, reports_errors
+from loader_search.cli._options import (
+    BudgetOption,
+    ConfigArgument,
+    CpusOption,
+    GpuOption,
+    MixedOption,
+    StorageOption,
+    StudyNameOption,
+    parse_cpus,
+)
+from loader_search.cli._summary import print_summary
+
+
+@reports_errors
+def run(
+    config: ConfigArgument,
+    storage: StorageOption = None,
+    study_name: StudyNameOption = None,
+    n_trials: BudgetOption = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            help="Stop starting new trials after this many seconds. Default: \\[study] timeout_s.",
+        ),
+    ] = None,
+    cpus: CpusOption = None,
+    gpu: GpuOption = None,
+    allow_mixed_hardware: MixedOption = False,
+) -> None:
+    """Run (or continue) a study: every trial trains the workload with one loader setting.
+
+    The first trial of a new study is the baseline (the config's batch size, num_workers=0).
+    Running again with the same study name continues it until its trial budget is used; then
+    the best candidates and the baseline are measured again (beyond the budget) so that the
+    recommendation rests on medians. `loader-search worker` processes on other machines can
+    join it meanwhile.
+    """
+    from loader_search.study._config import load_config
+
+    cfg = load_config(config).with_overrides(name=study_name, timeout_s=timeout)
+    pinned = parse_cpus(cpus)
+    from loader_search.study._session import run_study  # torch: only once the config is known good
+
+    with live_progress(interruptible=True) as reporter:
+        summary = run_study(
+            cfg,
+            storage=storage,
+            n_trials=n_trials,
+            reporter=reporter,
+            cpus=pinned,
+            gpu=gpu,
+            allow_mixed_hardware=allow_mixed_hardware,
+        )
+    print_summary(summary)
+
+
+@reports_errors
+def init(
+    config: ConfigArgument,
+    storage: StorageOption = None,
+    study_name: StudyNameOption = None,
+    n_trials: BudgetOption = None,
+) -> None:
+    """Create the schema and the study, run nothing: then start `worker`s on any machine.
+
+    Safe to repeat: an existing study is continued (its budget updated with --n-trials).
+    """
+    from loader_search.study._config import load_config
+    from loader_search.team._storage import check_shared, resolve_storage_url
+
+    cfg = load_config(config).with_overrides(name=study_name)
+    check_shared(resolve_storage_url(storage), "init")
+    from loader_search.study._session import init_study
+
+    with live_progress() as reporter:
+        info = init_study(cfg, storage=storage, n_trials=n_trials, reporter=reporter)
+    print_study_ready(info)
+
+
+@reports_errors
+def worker(
+    study: Annotated[str, typer.Argument(help="Name of an existing study to work on.")],
+    storage: StorageOption = None,
+    n_trials: Annotated[
+        int | None,
+        typer.Option(
+            "--n-trials",
+            help=(
+                "Run at most this many trials here. Default: until the study's budget is used"
+                " and its candidates are confirmed."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            help="Stop starting new trials after this many seconds.",
+            show_default=False,
+        ),
+    ] = None,
+    cpus: CpusOption = None,
+    gpu: GpuOption = None,
+    allow_mixed_hardware: MixedOption = False,
+    allow_plugin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-plugin",
+            help=(
+                "Run this plug-in workload ('pkg.mod:factory' or 'path/file.py:factory') if"
+                " the study names it; repeat for more. Without it a worker runs only built-in"
+                " workloads (also: LOADER_SEARCH_ALLOW_PLUGINS, comma-separated)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Join a study created by `run` (on this or another machine) and run its trials.
+
+    The study's config and trial budget come from the database: start as many workers as
+    you like, on as many machines; together they run exactly the budget. A trial whose
+    worker dies is failed after the study's grace period and retried with the same settings.
+    Ctrl-C (or SIGTERM) ends the running trial as interrupted and exits.
+
+    Whoever can write to the database chooses the study's workload, so a worker runs a
+    plug-in (code) only if this machine allows it with --allow-plugin.
+    """
+    from loader_search.study._session import run_worker
+
+    with live_progress(interruptible=True) as reporter:
+        summary = run_worker(
+            study,
+            storage=storage,
+            n_trials=n_trials,
+            timeout_s=timeout,
+            reporter=reporter,
+            cpus=parse_cpus(cpus),
+            gpu=gpu,
+            allow_mixed_hardware=allow_mixed_hardware,
+            allow_plugins=tuple(allow_plugin or ()),
+        )
+    print_summary(summary)

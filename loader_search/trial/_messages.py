@@ -1,0 +1,47 @@
+"""What a forked trial process tells the process that forked it, through a one-way pipe.
+
+The trial's process (`loader_search.trial._supervisor`) sends `Ready` once pinned, `Progress`
+at most every `PROGRESS_INTERVAL_S` while it trains (what the trial timeout watches), and last
+`Trained` or `Failed`; a sibling rank (`loader_search.trial._ranks`) sends only the last. Plain
+frozen dataclasses defined at module level, so that they pickle through the pipe; the parent
+reads anything else as progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loader_search.trial._failures import TrialFailure
+    from loader_search.trial._run import TrialResult
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The trial's process is pinned and about to train: its start-up ends here."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Training goes on: a training step or an evaluation batch since the last ping."""
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The trial ended well: its result, and when it was sent (``time.perf_counter``; the
+    parent's ``transfer_s`` measures how long the result took through the pipe)."""
+
+    result: TrialResult
+    sent_at: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The trial raised: its classified failure, and when it was sent."""
+
+    failure: TrialFailure
+    sent_at: float
+
+
+Ended = Trained | Failed

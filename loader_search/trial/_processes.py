@@ -1,0 +1,182 @@
+"""The process tree of a trial, seen from the process that forked it: a child asking to die
+with its parent, OpenMP's threads released before a fork, the tree killed and reaped, its
+memory (PSS) read, and a loader worker's death found among its zombies."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
+
+import psutil
+
+from loader_search.trial._failures import TrialFailure, classify_exception
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkProcess
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the thread that forked it dies (PR_SET_PDEATHSIG):
+    a parent killed outright must not leave a trial training. Loader workers ask the same of
+    the trial (`loader_search.trial._loader.WorkerStart`): torch's own check, between
+    batches, misses a worker blocked in the dataset."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def release_openmp_threads() -> None:
+    """Free the forking thread's OpenMP worker threads before a fork.
+
+    GNU libgomp keeps a pool of threads per thread that ran a parallel region; a forked child
+    inherits the pool's bookkeeping but not its threads, and its first parallel op waits for
+    them forever. ``omp_pause_resource_all(omp_pause_hard)`` (OpenMP 5.0) joins them; the
+    parent's next parallel op simply starts new ones. A no-op where libgomp is not loaded
+    (Intel's and LLVM's OpenMP handle fork themselves).
+    """
+    try:
+        libgomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # type: ignore[attr-defined]
+        pause = libgomp.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return
+    pause.argtypes = [ctypes.c_int]
+    pause(2)  # omp_pause_hard
+
+
+def kill_tree(process: ForkProcess) -> None:
+    """SIGKILL the child's process group and every descendant of the child, then reap all.
+
+    Descendants are listed first, while the child still holds them: once it dies they are
+    re-parented and can no longer be found. The group catches workers forked meanwhile; the
+    group id cannot be reused while the child is an unreaped zombie, so it is killed before
+    the child is joined. A child in the parent's own group (it never ran) is killed alone.
+    """
+    pid = process.pid
+    if pid is None:
+        return
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except OSError:  # already reaped: nothing of the group is left to find by its id
+        pass
+    for proc in descendants:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    process.join()
+    psutil.wait_procs(descendants, timeout=5)
+
+
+def exited(process: ForkProcess) -> bool:
+    """Whether the child has ended, asked without reaping it (see `kill_tree`).
+
+    Its sentinel and its end of the pipe do not say so by themselves: the loader workers it
+    forked inherited both, and a worker blocked in the dataset kept them open, so that a crash
+    of the training process was seen only at the trial timeout (or after 5 s, when an idle
+    worker noticed its parent was gone)."""
+    pid: int = process.pid  # type: ignore[assignment]
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already
+        return True
+    return found is not None
+
+
+def wait_for_exit(process: ForkProcess, timeout_s: float, poll_s: float) -> None:
+    """Wait up to ``timeout_s`` for the child to end by itself, without reaping it."""
+    deadline = time.perf_counter() + timeout_s
+    while not exited(process):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        wait([process.sentinel], timeout=min(poll_s, left))
+
+
+def dead_worker_failure(pid: int) -> TrialFailure | None:
+    """The failure of a loader worker of the trial process ``pid`` that has died and is not
+    yet reaped (a zombie): killed by a signal other than SIGTERM (which torch sends to the
+    workers it shuts down), or ended with an error code. None if there is none.
+
+    Torch reports a worker's death in the training process by raising from its SIGCHLD
+    handler, wherever the main thread happens to be; library code that swallows exceptions
+    there (torch's own profiler import does) loses it, and the training then waits 5 s for
+    torch's next check. A shorter trial timeout used to record such a trial as a ``timeout``
+    (2 of 8 runs with 4 workers and a 1 s timeout). The failure is worded as torch words it,
+    so it is classified as if torch had raised it (SIGKILL is then ``host_oom``, SIGBUS a
+    full /dev/shm).
+    """
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return None
+    for child in children:
+        status = _zombie_status(child.pid)
+        if status is None or status == 0:
+            continue
+        number = status & 0x7F
+        if number == signal.SIGTERM:
+            continue
+        if number:
+            text = f"is killed by signal: {_strsignal(number)}."
+        else:
+            text = f"exited unexpectedly with exit code {status >> 8}."
+        return classify_exception(RuntimeError(f"DataLoader worker (pid {child.pid}) {text}"))
+    return None
+
+
+def _zombie_status(pid: int) -> int | None:
+    """The wait status of ``pid`` if it is a zombie (``exit_code``, field 52 of
+    ``/proc/PID/stat``), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
+            text = file.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # from field 3, the state
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    try:
+        return int(fields[49])
+    except ValueError:
+        return None
+
+
+def _strsignal(number: int) -> str:
+    try:
+        return signal.strsignal(number) or f"signal {number}"
+    except ValueError:
+        return f"signal {number}"
+
+
+def tree_pss(pid: int) -> int:
+    """Proportional set size of ``pid`` and its descendants: pages shared between them (the
+    parent's, inherited on fork; shared-memory batches) count once, split between mappers."""
+    total = 0
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for proc in processes:
+        try:
+            info = proc.memory_full_info()
+            total += getattr(info, "pss", info.rss)
+        except psutil.Error:  # exited between listing and reading
+            continue
+    return total
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
