@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from loader_search._rules import check_fields, check_value
-
-# Imported from here by callers that predate loader_search._snippets (tests/test_step.py).
-from loader_search._snippets import dataloader_snippet as dataloader_snippet
 from loader_search.errors import ConfigError
 
 StartMethod = Literal["fork", "forkserver", "spawn"]

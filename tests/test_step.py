@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
+from loader_search._snippets import dataloader_snippet
 from loader_search.errors import ConfigError
-from loader_search.params import LoaderParams, RunPlan, TrainingSettings, dataloader_snippet
+from loader_search.params import LoaderParams, RunPlan, TrainingSettings
 from loader_search.trial._run import run_trial
 from loader_search.trial._step import (
     Step,
