@@ -206,6 +206,7 @@ def test_fp16_with_its_gradient_scaler_trains_on_cuda_and_counts_skipped_steps()
     assert fp16.val_loss == pytest.approx(runs["fp32"].val_loss, rel=0.03)
 
 
+@pytest.mark.slow  # 7 s once inductor's cache holds its kernels, 88 s on a machine without
 def test_a_compiled_trial_stores_its_compile_time_and_leaves_a_recompilation_out() -> None:
     # 1,056 samples in batches of 64: a last batch of 32, a new shape, compiled again inside
     # the window. That step is left out of the reading, and counted.
