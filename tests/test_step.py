@@ -366,7 +366,7 @@ def test_a_custom_step_that_does_not_fit_is_retried_as_micro_batches(tmp_path: P
         sampler=SamplerConfig(name="grid"),
         training=TrainingSettings(
             train_samples=4096,
-            batch_size=64,
+            batch_size=128,
             lr=0.005,
             lr_scaling="none",
             warmup_batches=1,
