@@ -141,6 +141,12 @@ def _plain(params: dict[str, Any]) -> float:
 # --- the runner ---------------------------------------------------------------------------
 
 
+def _samples(params: dict[str, Any]) -> int:
+    """The node's training samples for a reading of ``params``: the plain loop's batches (its
+    warm-up and windows) on every rank, at the setting's batch size."""
+    return RANKS * (WARMUP + WINDOWS * WINDOW_BATCHES) * int(params["batch_size"])
+
+
 def _runner(params: dict[str, Any], samples: int) -> float:
     from loader_search.params import LoaderParams
     from loader_search.study._config import load_config
@@ -173,7 +179,10 @@ def _study(ranks: int, trials: int, folder: Path) -> dict[str, Any]:
         config,
         name=f"ranks-{ranks}",
         trials=trials,
-        training=replace(config.training, ranks=ranks),
+        # The budget is shared by the ranks: each rank trains as much as one rank alone.
+        training=replace(
+            config.training, ranks=ranks, train_samples=config.training.train_samples * ranks
+        ),
     )
     storage = f"sqlite:///{folder / f'ranks-{ranks}.db'}"
     run_study(config, storage=storage, quiet=True)
@@ -196,7 +205,6 @@ def run(rounds: int, trials: int, out: Path) -> dict[str, Any]:
             "torch_threads": 1,
         },
     }
-    samples = RANKS * (WARMUP + WINDOWS * WINDOW_BATCHES) * 64
     agreement: dict[str, dict[str, list[float]]] = {
         name: {"runner": [], "plain": []} for name in settings
     }
@@ -206,7 +214,7 @@ def run(rounds: int, trials: int, out: Path) -> dict[str, Any]:
         rng.shuffle(order)
         for name, way in order:
             params = {"prefetch_factor": None, "persistent_workers": False, **settings[name]}
-            value = _runner(params, samples) if way == "runner" else _plain(params)
+            value = _runner(params, _samples(params)) if way == "runner" else _plain(params)
             agreement[name][way].append(value)
             print(f"agreement {name:18} {way:7} {value:8.0f}/s", flush=True)
     with tempfile.TemporaryDirectory() as folder:
@@ -226,7 +234,7 @@ def run(rounds: int, trials: int, out: Path) -> dict[str, Any]:
         names = list(candidates)
         rng.shuffle(names)
         for name in names:
-            side[name].append(_runner(candidates[name], samples))
+            side[name].append(_runner(candidates[name], _samples(candidates[name])))
     document = {
         "cpus": cpus,
         "ranks": RANKS,

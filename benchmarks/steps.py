@@ -13,6 +13,16 @@ its share of the ceiling, and the compile time. The figures land in ``steps.json
 What it shows: whether a faster step asks more of the loader (the best setting's share of the
 ceiling falls, more workers win) or, on a CPU, a slower one (bf16 autocast without AMX) asks
 less.
+
+``python -m benchmarks.steps --standin``: the same question where the step's speed is set,
+not found: in the GPU stand-in regime (``studies/standin.toml``: the "device" waits a fixed
+time per sample with the GIL released) a study for each of three device speeds, each twice
+as fast as the one before (300, 150, 75 us per sample). Per speed: the ceiling, the workers
+a consumer that fast needs by the pipeline model's own arithmetic (ceiling x the producer's
+measured CPU seconds per sample), the workers the model's limit setting and the
+recommendation use, their throughput and the bottleneck. A consumer twice as fast should
+ask for about twice the producer capacity, until the machine's CPUs run out. Figures land
+in ``steps_standin.json`` / ``steps_standin.md``.
 """
 
 from __future__ import annotations
@@ -128,7 +138,8 @@ def table(document: dict[str, Any]) -> str:
     lines = [
         f"One trial per cell ({document['samples']} samples, batch 64), each in a fresh"
         " process; samples/s. Ceiling: the median over the row's trials of the same step fed"
-        " pre-decoded batches.",
+        " pre-decoded batches (their thread counts differ); best / ceiling: the best"
+        " setting's throughput over its own trial's ceiling.",
         "",
         "| workload | step | ceiling | "
         + " | ".join(SETTINGS)
@@ -141,14 +152,108 @@ def table(document: dict[str, Any]) -> str:
             best = max(cells, key=lambda s: cells[s]["throughput"])
             compiles = [c["compile_time_s"] for c in cells.values() if c["compile_time_s"]]
             losses = [c["val_loss"] for c in cells.values() if c["val_loss"] is not None]
+            compile_s = f"{statistics.median(compiles):.1f}" if compiles else "-"
             lines.append(
                 f"| {name} | {variant} | {ceiling:,.0f} | "
                 + " | ".join(f"{cells[s]['throughput']:,.0f}" for s in SETTINGS)
-                + f" | {best} | {cells[best]['throughput'] / ceiling:.2f}"
-                + f" | {statistics.median(compiles):.1f}" * bool(compiles)
-                + " | -" * (not compiles)
-                + f" | {statistics.median(losses):.4f} |"
+                + f" | {best} | {cells[best]['throughput'] / cells[best]['ceiling']:.2f}"
+                + f" | {compile_s} | {statistics.median(losses):.4f} |"
             )
+    return "\n".join(lines) + "\n"
+
+
+STANDIN = "studies/standin.toml"
+DEVICE_US = (300, 150, 75)  # each consumer twice as fast as the one before
+
+
+def standin(out: Path, quick: bool) -> dict[str, Any]:
+    """One study per device speed in the stand-in regime (see the module docstring)."""
+    import tempfile
+    from dataclasses import replace
+
+    import optuna
+
+    from benchmarks.ground_truth import quick_config
+    from loader_search.study._config import load_config
+    from loader_search.study._session import run_study
+
+    base = load_config(ROOT / STANDIN)
+    if quick:
+        base = replace(quick_config(base), trials=6, confirm_max_rounds=3)
+    rows = []
+    started = time.perf_counter()
+    folder = Path(tempfile.mkdtemp(prefix="steps-standin-"))
+    for device_us in DEVICE_US:
+        config = replace(
+            base,
+            name=f"standin-{device_us}us",
+            workload_options={**base.workload_options, "device_us_per_sample": device_us},
+        )
+        storage = f"sqlite:///{folder / f'{device_us}.db'}"
+        summary = run_study(config, storage=storage, quiet=True)
+        study = optuna.load_study(study_name=config.name, storage=storage)
+        done = [t for t in study.trials if t.state.name == "COMPLETE"]
+
+        def median_attr(key: str, trials: list[Any] = done) -> float | None:
+            values = [t.user_attrs[key] for t in trials if t.user_attrs.get(key)]
+            return statistics.median(values) if values else None
+
+        ceiling = median_attr("ceiling_samples_per_s")
+        producer = median_attr("producer_cpu_s_per_sample")
+        rec = summary.recommended
+        pipeline = rec.pipeline if rec is not None else None
+        rows.append(
+            {
+                "device_us_per_sample": device_us,
+                "ceiling": ceiling,
+                "producer_cpu_s_per_sample": producer,
+                # The producer capacity a consumer this fast needs, in worker processes.
+                "workers_needed": ceiling * producer if ceiling and producer else None,
+                "cpus": median_attr("cpus_available"),
+                "limit_workers": pipeline.limit_params.num_workers if pipeline else None,
+                "limit": pipeline.limit_samples_per_s if pipeline else None,
+                "bottleneck": pipeline.bottleneck if pipeline else None,
+                "recommended": rec.point.params.describe() if rec else None,
+                "recommended_workers": rec.point.params.num_workers if rec else None,
+                "throughput": rec.point.throughput if rec else None,
+                "speedup": rec.speedup_vs_baseline if rec else None,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    document = {"rows": rows, "quick": quick, "elapsed_s": time.perf_counter() - started}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "steps_standin.json").write_text(json.dumps(document, indent=1))
+    text = standin_table(document)
+    (out / "steps_standin.md").write_text(text)
+    print(text)
+    return document
+
+
+def standin_table(document: dict[str, Any]) -> str:
+    def number(value: float | None, digits: int = 0) -> str:
+        return "-" if value is None else f"{value:,.{digits}f}"
+
+    lines = [
+        "One study per device speed (GPU stand-in, each twice as fast as the one before)."
+        " Workers needed: the ceiling times the producer's measured CPU seconds per sample,"
+        " the pipeline model's arithmetic; limit setting: the workers of the setting the"
+        " model predicts reaches its limit.",
+        "",
+        "| device us/sample | ceiling | producer ms/sample | workers needed | CPUs"
+        " | limit setting's workers | limit | bottleneck | recommended | its samples/s"
+        " | speedup |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for row in document["rows"]:
+        producer = row["producer_cpu_s_per_sample"]
+        lines.append(
+            f"| {row['device_us_per_sample']} | {number(row['ceiling'])}"
+            f" | {number(producer and producer * 1000, 3)} | {number(row['workers_needed'], 2)}"
+            f" | {number(row['cpus'])} | {number(row['limit_workers'])}"
+            f" | {number(row['limit'])} | {row['bottleneck'] or '-'}"
+            f" | {row['recommended'] or '-'} | {number(row['throughput'])}"
+            f" | {number(row['speedup'], 2)}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -156,8 +261,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 variants, short trials")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "data")
+    parser.add_argument(
+        "--standin", action="store_true", help="the stand-in regime at three device speeds"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.standin:
+        standin(args.out, args.quick)
+        return
     if args.one:
         config, variant, params, samples = json.loads(args.one)
         print(json.dumps(one(config, variant, params, samples)))
