@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loader_search.study._keys import CEILING_ATTR, PRODUCER_COST
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"quickstart": "studies/quickstart.toml", "text": "studies/text.toml"}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -115,7 +117,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
                 attrs = _reading(config, variant, setting, samples)
                 rows.setdefault(variant, {})[setting] = {
                     "throughput": attrs["throughput_samples_per_s"],
-                    "ceiling": attrs.get("ceiling_samples_per_s"),
+                    "ceiling": attrs.get(CEILING_ATTR),
                     "val_loss": attrs.get("val_loss"),
                     "compile_time_s": attrs.get("compile_time_s"),
                     "window_recompiles": attrs.get("window_recompiles"),
@@ -172,6 +174,7 @@ def standin(out: Path, quick: bool) -> dict[str, Any]:
     from dataclasses import replace
 
     import optuna
+    from optuna.trial import TrialState
 
     from benchmarks.ground_truth import quick_config
     from loader_search.study._config import load_config
@@ -182,24 +185,24 @@ def standin(out: Path, quick: bool) -> dict[str, Any]:
         base = replace(quick_config(base), trials=6, confirm_max_rounds=3)
     rows = []
     started = time.perf_counter()
-    folder = Path(tempfile.mkdtemp(prefix="steps-standin-"))
     for device_us in DEVICE_US:
         config = replace(
             base,
             name=f"standin-{device_us}us",
             workload_options={**base.workload_options, "device_us_per_sample": device_us},
         )
-        storage = f"sqlite:///{folder / f'{device_us}.db'}"
-        summary = run_study(config, storage=storage, quiet=True)
-        study = optuna.load_study(study_name=config.name, storage=storage)
-        done = [t for t in study.trials if t.state.name == "COMPLETE"]
+        with tempfile.TemporaryDirectory(prefix="steps-standin-") as folder:
+            storage = f"sqlite:///{Path(folder) / f'{device_us}.db'}"
+            summary = run_study(config, storage=storage, quiet=True)
+            study = optuna.load_study(study_name=config.name, storage=storage)
+            done = [t for t in study.trials if t.state == TrialState.COMPLETE]
 
         def median_attr(key: str, trials: list[Any] = done) -> float | None:
             values = [t.user_attrs[key] for t in trials if t.user_attrs.get(key)]
             return statistics.median(values) if values else None
 
-        ceiling = median_attr("ceiling_samples_per_s")
-        producer = median_attr("producer_cpu_s_per_sample")
+        ceiling = median_attr(CEILING_ATTR)
+        producer = median_attr(PRODUCER_COST)
         rec = summary.recommended
         pipeline = rec.pipeline if rec is not None else None
         rows.append(
