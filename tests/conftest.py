@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,6 +15,13 @@ from loader_search.workloads import Workload
 from loader_search.workloads.synthetic_images import synthetic_images
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A suite started in the background by a non-interactive shell (`pytest &`, `setsid ... &`)
+# inherits SIGINT ignored, and so would every process it starts: then the tests of Ctrl-C
+# (which send SIGINT to a CLI run or a trial) wait out their timeouts and fail. Python's own
+# handler here makes exec'd children start with the default disposition again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
