@@ -27,7 +27,7 @@ from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, measure, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import load_config
-from loader_search.study._confirm import paired_speedup
+from loader_search.study._paired import paired_speedup
 from loader_search.workloads import load_workload
 
 METHODS = ("runner", "reference")

@@ -32,8 +32,8 @@ from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
-from loader_search.study._confirm import paired_speedup
 from loader_search.study._keys import is_confirmation, stored_params
+from loader_search.study._paired import paired_speedup
 from loader_search.study._session import run_study
 
 

@@ -3,17 +3,20 @@
 ``python -m benchmarks.selection [--studies 300]`` runs the study's own round logic
 (`next_remeasure`, `summarize_trials`) on in-memory Optuna studies whose readings are drawn
 from known speeds: a shared drift per round (log-normal, 10%) times each reading's own noise.
-Two candidates, true speedups given per case. It prints, per case and noise level, the median
-and mean of stated / true speedup for the claim as stated (the leader's rounds after the race,
-`Rounds.claims`) and for the same studies' claim from every round of the leader (the race's
-round included, `Rounds.speedups`), how often each interval covers the truth, how often the
-leader is truly the fastest, and the trials the rounds took. Nothing is timed: no machine
-noise, only the statistics of the rule (issue 27's winner's curse).
+Two candidates, true speedups given per case. It prints, per case and noise level, with the
+futility stop (`ConfirmSettings.futility`, the default) and without it (the rounds then run to
+the cap unless decided): the median and mean of stated / true speedup for the claim as stated
+(the leader's rounds after the race, `Rounds.claims`) and for the same studies' claim from
+every round of the leader (the race's round included, `Rounds.speedups`), how often each
+interval covers the truth, how often the verdict is "faster", how often the leader is truly
+the fastest, and the trials the rounds took. Nothing is timed: no machine noise, only the
+statistics of the rule (issue 27's winner's curse and the confirmation's cost).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 from collections.abc import Callable
@@ -24,13 +27,14 @@ from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._confirm import ConfirmSettings, PairedSpeedup, next_remeasure, rounds_of
+from loader_search.study._confirm import ConfirmSettings, next_remeasure, rounds_of
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     PARAMS_ATTR,
 )
+from loader_search.study._paired import PairedSpeedup
 
 BASE = LoaderParams(64, 0, torch_threads=2)
 A = LoaderParams(64, 2, 2, False, True, 1)
@@ -43,6 +47,12 @@ CASES = {
     "close": (1.3, 1.2),
     "apart": (1.3, 0.9),
     "near 1": (1.15, 1.1),  # the quickstart's regime: the stop rule binds
+    "small": (1.08, 1.0),  # a gain the noise hides in most studies
+    "none": (1.0, 0.97),  # workers do not pay: the verdict should be "keep the baseline"
+}
+RULES = {
+    "futility stop": SETTINGS,
+    "no futility stop": dataclasses.replace(SETTINGS, futility=0.0),
 }
 NOISE = (0.08, 0.15)  # each reading's own log-normal noise
 
@@ -69,7 +79,9 @@ class Outcome:
     trials: int
 
 
-def one_study(seed: int, speeds: dict[LoaderParams, float], noise: float) -> Outcome:
+def one_study(
+    seed: int, speeds: dict[LoaderParams, float], noise: float, settings: ConfirmSettings
+) -> Outcome:
     """The rounds of one simulated study."""
     rng = random.Random(seed)
     trials = [
@@ -79,20 +91,20 @@ def one_study(seed: int, speeds: dict[LoaderParams, float], noise: float) -> Out
     ]
     drift: dict[int, float] = {}
     asked = 0
-    while (step := next_remeasure(trials, SETTINGS)) is not None:
+    while (step := next_remeasure(trials, settings)) is not None:
         asked += 1
         shared = drift.setdefault(step.round, rng.lognormvariate(0, 0.1))
         value = 100.0 * speeds[step.params] * shared * rng.lognormvariate(0, noise)
         attrs = {CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: step.round}
         trials.append(_trial(len(trials), step.params, value, **attrs))
-    rounds = rounds_of(trials, SETTINGS)
+    rounds = rounds_of(trials, settings)
     stated = rounds.claims()
     leader = max(stated, key=lambda p: (stated[p].low > 1, stated[p].estimate))
     return Outcome(leader, stated[leader], rounds.speedups()[leader], asked)
 
 
 def _row(
-    name: str, noise: float, results: list[Outcome], speeds: dict[LoaderParams, float]
+    name: str, rule: str, noise: float, results: list[Outcome], speeds: dict[LoaderParams, float]
 ) -> str:
     def summary(claim: Callable[[Outcome], PairedSpeedup]) -> str:
         errors = [claim(r).estimate / speeds[r.leader] for r in results]
@@ -104,11 +116,12 @@ def _row(
 
     best = max(speeds[A], speeds[B])
     fastest = statistics.fmean(speeds[r.leader] == best for r in results)
+    faster = statistics.fmean(r.stated.low > 1.0 for r in results)
     trials = statistics.fmean(r.trials for r in results)
     return (
-        f"| {name} ({speeds[A]}x, {speeds[B]}x) | {noise:.0%} "
+        f"| {name} ({speeds[A]}x, {speeds[B]}x) | {noise:.0%} | {rule} "
         f"| {summary(lambda r: r.stated)} | {summary(lambda r: r.every)} "
-        f"| {fastest:.0%} | {trials:.1f} |"
+        f"| {faster:.0%} | {fastest:.0%} | {trials:.1f} |"
     )
 
 
@@ -118,15 +131,19 @@ def main() -> None:
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(
-        "| case (true speedups) | reading noise | stated / true: median / mean | covers "
-        "| every round: median / mean | covers | leader truly fastest | trials |"
+        "| case (true speedups) | reading noise | rule | stated / true: median / mean | covers "
+        "| every round: median / mean | covers | verdict faster | leader truly fastest "
+        "| trials |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (a, b) in CASES.items():
         speeds = {BASE: 1.0, A: a, B: b}
         for noise in NOISE:
-            results = [one_study(seed, speeds, noise) for seed in range(args.studies)]
-            print(_row(name, noise, results, speeds), flush=True)
+            for rule, settings in RULES.items():
+                results = [
+                    one_study(seed, speeds, noise, settings) for seed in range(args.studies)
+                ]
+                print(_row(name, rule, noise, results, speeds), flush=True)
 
 
 if __name__ == "__main__":

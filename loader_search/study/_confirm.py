@@ -8,19 +8,9 @@ A C B, C B A, ...), one trial at a time per hardware class, so that a slow spell
 machine, or a neighbour's load, hits every setting of a round alike. A candidate's speedup is
 estimated from its per-round ratios against the baseline: the geometric mean, with a 95%
 Student-t interval on the log ratios (the paired t-interval: the rounds are the pairs, and a
-ratio of throughputs is closer to log-normal than to normal).
-
-**Blocks.** Consecutive rounds form blocks of `BLOCK_ROUNDS` (tens of seconds of trials each).
-When the machine's state changes during the rounds (a neighbour's load, the host's frequency), the
-ratios of one block differ from another's by more than the rounds within a block do, and a
-later run on the machine will meet such states too. The interval is then a random-effects
-one (DerSimonian-Laird: the variance between blocks, ``tau^2``, is added to the within-block
-noise), never narrower than the paired t-interval; where the blocks disagree beyond their
-noise (Cochran's Q above its chi-square 0.95 quantile) the blocks, not the rounds, count as the
-independent units (Student's t with blocks - 1 degrees of freedom), the speedup carries
-``blocks_disagree``, the rounds go on (more blocks) until the cap, and every view says so.
-What it covers: the changes of state the rounds saw. What it cannot cover: a state they never
-saw (a rerun on a machine quieter or busier than it was during the whole study).
+ratio of throughputs is closer to log-normal than to normal; `loader_search.study._paired`
+holds the statistics, and how blocks of rounds widen the interval when the machine's state
+moves).
 
 **A race, then the leader alone.** The first `RACE_ROUNDS` rounds measure the baseline and
 every candidate; the race's leader is the candidate with the highest geometric-mean ratio to
@@ -33,10 +23,21 @@ rival has no race: all its rounds count. A candidate also leaves when its trial 
 baseline (its interval over all its rounds lies below 1). The rounds stop once the leader was
 measured alone in ``min_rounds`` rounds and it was measured in ``max_rounds`` (the cap, the
 race's rounds included), or those rounds' blocks agree and decide it (surely faster than the
-baseline, or its interval within ``half_width`` of its estimate); or when no candidate is
-left. Stopping once the interval clears 1 still favours an early high estimate a little when
-the speedup lies near 1: ``python -m benchmarks.selection`` measures both effects on
-simulated readings, ``python -m benchmarks claims`` against a plain training loop.
+baseline, or its interval within ``half_width`` of its estimate), or a "faster" verdict is out
+of reach (below); or when no candidate is left. Stopping once the interval clears 1 still
+favours an early high estimate a little when the speedup lies near 1: ``python -m
+benchmarks.selection`` measures both effects on simulated readings, ``python -m benchmarks
+claims`` against a plain training loop.
+
+**Futility.** A leader close to the baseline (the case where loader workers do not pay) is
+neither surely faster nor, at this noise, pinned within ``half_width``: its rounds would run to
+the cap and end in "no_reliable_gain" anyway. After every round the rounds ask how likely the
+rounds left before the cap are to end "faster" (`chance_of_gain`: the predictive probability
+of group-sequential trials, which counts the uncertainty of the estimate so far as well as the
+noise of the rounds to come) and stop when it is below ``futility``. A true gain is lost this
+way only when its first rounds read far below it; ``python -m benchmarks.selection`` measures
+both the rounds saved and the gains lost, with and without the rule.
+
 A reading taken while other processes kept more than `DISTURBED_LOAD` of the trial's CPUs busy
 (``other_load``, measured over its window) is not a fair one: it is measured again, up to
 `MAX_DISTURBED` times per slot, then taken as it is (a machine that is always busy still ends
@@ -54,8 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import fmean, stdev
-from typing import Literal
+from statistics import fmean
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -69,40 +69,22 @@ from loader_search.study._keys import (
     stored_params,
     trial_hardware_class,
 )
+from loader_search.study._paired import (
+    FASTER,
+    PairedSpeedup,
+    chance_of_gain,
+    paired_speedup,
+)
 from loader_search.study._points import is_feasible, points_of, tolerance_limit
 from loader_search.trial._failures import INTERRUPTED
 
-Verdict = Literal["faster", "no_reliable_gain"]
-FASTER: Verdict = "faster"
-NO_RELIABLE_GAIN: Verdict = "no_reliable_gain"
 MAX_FAILURES = 2  # a setting whose re-measurement failed this often leaves the rounds
 # A reading beside a neighbour that kept this share of the trial's CPUs busy is measured again
 # (the ceiling's threshold too: loader_search.study._plan.BUSY_LIMIT), at most this often.
 DISTURBED_LOAD = 0.25
 MAX_DISTURBED = 2
 
-# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; beyond the table
-# the next smaller listed degree's value is used, which is slightly wider (conservative).
-_T_975 = {
-    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
-    17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
-    120: 1.980,
-}  # fmt: skip
-# Chi-square, 0.95 quantile, by degrees of freedom (Cochran's Q test of the blocks).
-_CHI2_95 = {
-    1: 3.841, 2: 5.991, 3: 7.815, 4: 9.488, 5: 11.070, 6: 12.592, 7: 14.067, 8: 15.507,
-    9: 16.919, 10: 18.307,
-}  # fmt: skip
-BLOCK_ROUNDS = 2  # consecutive rounds per block (see the module docstring)
 RACE_ROUNDS = 1  # rounds of every candidate before the race chooses its leader
-
-
-def t_975(degrees: int) -> float:
-    """The 0.975 quantile of Student's t with ``degrees`` degrees of freedom (>= 1)."""
-    if degrees < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {degrees}")
-    return _T_975[max(d for d in _T_975 if d <= degrees)]
 
 
 @dataclass(frozen=True)
@@ -114,101 +96,9 @@ class ConfirmSettings:
     max_rounds: int
     half_width: float  # stop once the leader's 95% interval is within this of its estimate
     loss_tolerance: float
-
-
-@dataclass(frozen=True)
-class PairedSpeedup:
-    """A candidate's speedup over the baseline from paired rounds."""
-
-    estimate: float  # the geometric mean of the per-round ratios
-    low: float  # its 95% interval
-    high: float
-    rounds: int  # rounds in which both it and the baseline were measured
-    # Its blocks of rounds disagree beyond their noise: the machine's state changed during
-    # the rounds (the interval then spans the blocks; see the module docstring).
-    blocks_disagree: bool = False
-
-    @property
-    def half_width(self) -> float:
-        """Half the interval, relative to the estimate."""
-        return (self.high - self.low) / 2 / self.estimate
-
-    @property
-    def verdict(self) -> Verdict:
-        return FASTER if self.low > 1.0 else NO_RELIABLE_GAIN
-
-
-def preference(speedup: PairedSpeedup) -> tuple[bool, float]:
-    """How candidates rank, the recommendation's and the rounds' leader alike: one surely
-    faster than the baseline before one that may not be, then the higher estimate."""
-    return speedup.verdict == FASTER, speedup.estimate
-
-
-def chi2_95(degrees: int) -> float:
-    """The 0.95 quantile of the chi-square distribution with ``degrees`` (>= 1) degrees of
-    freedom: the table to 10, the Wilson-Hilferty approximation beyond (within 0.2%)."""
-    if degrees < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {degrees}")
-    if degrees in _CHI2_95:
-        return _CHI2_95[degrees]
-    a = 2 / (9 * degrees)
-    return degrees * (1 - a + 1.6449 * math.sqrt(a)) ** 3
-
-
-def paired_speedup(ratios: Sequence[float]) -> PairedSpeedup | None:
-    """The speedup and its 95% interval from per-round ratios, in round order (None for
-    fewer than 2). See the module docstring for the blocks."""
-    if len(ratios) < 2:
-        return None
-    logs = [math.log(r) for r in ratios]
-    n = len(logs)
-    mean = fmean(logs)
-    variance = stdev(logs) ** 2 / n  # of the mean, rounds independent
-    degrees = n - 1
-    blocks = [logs[i : i + BLOCK_ROUNDS] for i in range(0, n, BLOCK_ROUNDS)]
-    disagree = False
-    if len(blocks) >= 2 and n > len(blocks):
-        between, disagree = _between_blocks(blocks)
-        if between is not None:
-            variance = max(variance, between)
-        if disagree:
-            degrees = len(blocks) - 1  # the blocks, not the rounds, are the independent units
-    margin = t_975(degrees) * math.sqrt(variance)
-    return PairedSpeedup(
-        math.exp(mean),
-        math.exp(mean - margin),
-        math.exp(mean + margin),
-        n,
-        blocks_disagree=disagree,
-    )
-
-
-def _between_blocks(blocks: Sequence[Sequence[float]]) -> tuple[float | None, bool]:
-    """For log ratios in ``blocks`` (at least two, more values than blocks): the variance of
-    their mean under a random-effects model (DerSimonian-Laird: each block's true ratio
-    varies around the overall one by ``tau^2``, the rounds within a block around their
-    block's), None when it finds no variation between blocks; and whether the blocks
-    disagree (Cochran's Q above its chi-square 0.95 quantile)."""
-    n = sum(len(b) for b in blocks)
-    k = len(blocks)
-    means = [fmean(b) for b in blocks]
-    overall = fmean(x for b in blocks for x in b)
-    within = sum((x - m) ** 2 for b, m in zip(blocks, means, strict=True) for x in b) / (n - k)
-    spread = sum(len(b) * (m - overall) ** 2 for b, m in zip(blocks, means, strict=True))
-    if within <= 0:  # no noise inside the blocks: any difference between them is real
-        if spread <= 0:
-            return None, False
-        tau2 = spread / n
-        return sum((len(b) / n) ** 2 * tau2 for b in blocks), True
-    q = spread / within
-    weights = [len(b) / within for b in blocks]
-    scale = sum(weights) - sum(w * w for w in weights) / sum(weights)
-    tau2 = max(0.0, (q - (k - 1)) / scale)
-    disagree = q > chi2_95(k - 1)
-    if tau2 == 0:
-        return None, disagree
-    # The plain mean weighs every round alike; its variance under the model:
-    return sum((len(b) / n) ** 2 * (within / len(b) + tau2) for b in blocks), disagree
+    # Stop once a "faster" verdict by the cap is less likely than this (`chance_of_gain`; 0:
+    # never). The code's value, not a study setting: it changes no claim's meaning.
+    futility: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -460,9 +350,10 @@ def rounds_owner(
 def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
     """Whether the rounds before ``next_round`` are enough: the race is over (one candidate
     left), the leader was measured alone beside the baseline in at least ``min_rounds``
-    rounds (`Rounds.fresh`), and it was measured in ``max_rounds`` (the cap), or those
-    rounds' blocks agree and decide it: surely faster than the baseline, or its interval
-    within ``half_width``. No candidate left: nothing to decide."""
+    rounds (`Rounds.fresh`), and it was measured in ``max_rounds`` (the cap), or a "faster"
+    verdict by the cap has become less likely than ``futility``, or those rounds' blocks agree
+    and decide it: surely faster than the baseline, or its interval within ``half_width``.
+    No candidate left: nothing to decide."""
     active = rounds.active(next_round, confirm.min_rounds)
     racing = [p for p in active if p != rounds.baseline]
     if not racing:
@@ -473,8 +364,12 @@ def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
     fresh = paired_speedup(fresh_ratios := rounds.fresh(leader))
     if fresh is None or len(fresh_ratios) < confirm.min_rounds:
         return False
-    if len(rounds.ratios(leader)) >= confirm.max_rounds:
+    measured = len(rounds.ratios(leader))
+    if measured >= confirm.max_rounds:
         return True
+    left = confirm.max_rounds - measured
+    if fresh.verdict != FASTER and chance_of_gain(fresh_ratios, left) < confirm.futility:
+        return True  # a gain is out of reach by the cap
     if fresh.blocks_disagree:
         return False  # the machine's state moved during the rounds: more blocks
     return fresh.verdict == FASTER or fresh.half_width <= confirm.half_width

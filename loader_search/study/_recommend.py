@@ -26,14 +26,9 @@ from optuna.trial import FrozenTrial
 
 from loader_search._snippets import dataloader_snippet, node_totals
 from loader_search.params import STEP_KEYS, LoaderParams
-from loader_search.study._confirm import (
-    FASTER,
-    NO_RELIABLE_GAIN,
-    PairedSpeedup,
-    paired_speedups,
-    preference,
-)
+from loader_search.study._confirm import paired_speedups
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
+from loader_search.study._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
 from loader_search.study._pipeline import Bottleneck, Lift, PipelineSnapshot
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 

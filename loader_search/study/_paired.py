@@ -1,0 +1,189 @@
+"""The statistics of paired rounds: a speedup and its 95% interval from per-round ratios
+(candidate / baseline, one per round), and how likely more rounds are to show a gain.
+
+The estimate is the geometric mean of the ratios, with a 95% Student-t interval on the log
+ratios (the paired t-interval: the rounds are the pairs, and a ratio of throughputs is closer
+to log-normal than to normal).
+
+**Blocks.** Consecutive rounds form blocks of `BLOCK_ROUNDS` (tens of seconds of trials each).
+When the machine's state changes during the rounds (a neighbour's load, the host's frequency), the
+ratios of one block differ from another's by more than the rounds within a block do, and a
+later run on the machine will meet such states too. The interval is then a random-effects
+one (DerSimonian-Laird: the variance between blocks, ``tau^2``, is added to the within-block
+noise), never narrower than the paired t-interval; where the blocks disagree beyond their
+noise (Cochran's Q above its chi-square 0.95 quantile) the blocks, not the rounds, count as the
+independent units (Student's t with blocks - 1 degrees of freedom), the speedup carries
+``blocks_disagree``, the rounds go on (more blocks, `loader_search.study._confirm`), and
+every view says so.
+What it covers: the changes of state the rounds saw. What it cannot cover: a state they never
+saw (a rerun on a machine quieter or busier than it was during the whole study).
+
+Pure functions of the ratios; `loader_search.study._confirm` runs the rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import fmean, stdev
+from typing import Literal
+
+Verdict = Literal["faster", "no_reliable_gain"]
+FASTER: Verdict = "faster"
+NO_RELIABLE_GAIN: Verdict = "no_reliable_gain"
+
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; beyond the table
+# the next smaller listed degree's value is used, which is slightly wider (conservative).
+_T_975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+    17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
+    120: 1.980,
+}  # fmt: skip
+# Chi-square, 0.95 quantile, by degrees of freedom (Cochran's Q test of the blocks).
+_CHI2_95 = {
+    1: 3.841, 2: 5.991, 3: 7.815, 4: 9.488, 5: 11.070, 6: 12.592, 7: 14.067, 8: 15.507,
+    9: 16.919, 10: 18.307,
+}  # fmt: skip
+BLOCK_ROUNDS = 2  # consecutive rounds per block (see the module docstring)
+
+
+def t_975(degrees: int) -> float:
+    """The 0.975 quantile of Student's t with ``degrees`` degrees of freedom (>= 1)."""
+    if degrees < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {degrees}")
+    return _T_975[max(d for d in _T_975 if d <= degrees)]
+
+
+@dataclass(frozen=True)
+class PairedSpeedup:
+    """A candidate's speedup over the baseline from paired rounds."""
+
+    estimate: float  # the geometric mean of the per-round ratios
+    low: float  # its 95% interval
+    high: float
+    rounds: int  # rounds in which both it and the baseline were measured
+    # Its blocks of rounds disagree beyond their noise: the machine's state changed during
+    # the rounds (the interval then spans the blocks; see the module docstring).
+    blocks_disagree: bool = False
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval, relative to the estimate."""
+        return (self.high - self.low) / 2 / self.estimate
+
+    @property
+    def verdict(self) -> Verdict:
+        return FASTER if self.low > 1.0 else NO_RELIABLE_GAIN
+
+
+def preference(speedup: PairedSpeedup) -> tuple[bool, float]:
+    """How candidates rank, the recommendation's and the rounds' leader alike: one surely
+    faster than the baseline before one that may not be, then the higher estimate."""
+    return speedup.verdict == FASTER, speedup.estimate
+
+
+def chi2_95(degrees: int) -> float:
+    """The 0.95 quantile of the chi-square distribution with ``degrees`` (>= 1) degrees of
+    freedom: the table to 10, the Wilson-Hilferty approximation beyond (within 0.2%)."""
+    if degrees < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {degrees}")
+    if degrees in _CHI2_95:
+        return _CHI2_95[degrees]
+    a = 2 / (9 * degrees)
+    return degrees * (1 - a + 1.6449 * math.sqrt(a)) ** 3
+
+
+def paired_speedup(ratios: Sequence[float]) -> PairedSpeedup | None:
+    """The speedup and its 95% interval from per-round ratios, in round order (None for
+    fewer than 2). See the module docstring for the blocks."""
+    if len(ratios) < 2:
+        return None
+    spread = _log_spread(ratios)
+    margin = t_975(spread.degrees) * math.sqrt(spread.variance)
+    return PairedSpeedup(
+        math.exp(spread.mean),
+        math.exp(spread.mean - margin),
+        math.exp(spread.mean + margin),
+        len(ratios),
+        blocks_disagree=spread.disagree,
+    )
+
+
+@dataclass(frozen=True)
+class _LogSpread:
+    """The mean of per-round log ratios, its variance and the interval's degrees of freedom."""
+
+    mean: float
+    variance: float  # of the mean
+    degrees: int
+    disagree: bool  # the blocks disagree (see the module docstring)
+
+
+def _log_spread(ratios: Sequence[float]) -> _LogSpread:
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    variance = stdev(logs) ** 2 / n  # of the mean, rounds independent
+    degrees = n - 1
+    blocks = [logs[i : i + BLOCK_ROUNDS] for i in range(0, n, BLOCK_ROUNDS)]
+    disagree = False
+    if len(blocks) >= 2 and n > len(blocks):
+        between, disagree = _between_blocks(blocks)
+        if between is not None:
+            variance = max(variance, between)
+        if disagree:
+            degrees = len(blocks) - 1  # the blocks, not the rounds, are the independent units
+    return _LogSpread(fmean(logs), variance, degrees, disagree)
+
+
+def chance_of_gain(ratios: Sequence[float], more: int) -> float:
+    """How likely ``more`` further rounds like ``ratios`` (per-round ratios, at least 2) are
+    to end with a 95% interval above 1: the predictive probability, with the log ratios
+    normal around a true mean known only as well as the rounds so far tell it (the variance
+    `paired_speedup`'s interval has, blocks included), each new round as noisy as theirs.
+    With no round left: 1.0 when the interval is above 1 already, else 0.0."""
+    if len(ratios) < 2:
+        raise ValueError(f"a chance of gain needs at least 2 rounds, got {len(ratios)}")
+    now = _log_spread(ratios)
+    if more <= 0:
+        return 1.0 if now.mean > t_975(now.degrees) * math.sqrt(now.variance) else 0.0
+    noise = stdev(math.log(r) for r in ratios)  # one round's
+    if noise == 0:
+        return 1.0 if now.mean > 0 else 0.0
+    # At the cap the interval's low end lies above 1 when the mean of all the log ratios
+    # exceeds its margin (the blocks taken to agree by then): the rounds to come must then
+    # average at least `needed`.
+    n, total = len(ratios), len(ratios) + more
+    margin = t_975(total - 1) * noise / math.sqrt(total)
+    needed = (total * margin - n * now.mean) / more
+    scale = math.sqrt(noise**2 / more + now.variance)
+    return 0.5 * math.erfc((needed - now.mean) / scale / math.sqrt(2))
+
+
+def _between_blocks(blocks: Sequence[Sequence[float]]) -> tuple[float | None, bool]:
+    """For log ratios in ``blocks`` (at least two, more values than blocks): the variance of
+    their mean under a random-effects model (DerSimonian-Laird: each block's true ratio
+    varies around the overall one by ``tau^2``, the rounds within a block around their
+    block's), None when it finds no variation between blocks; and whether the blocks
+    disagree (Cochran's Q above its chi-square 0.95 quantile)."""
+    n = sum(len(b) for b in blocks)
+    k = len(blocks)
+    means = [fmean(b) for b in blocks]
+    overall = fmean(x for b in blocks for x in b)
+    within = sum((x - m) ** 2 for b, m in zip(blocks, means, strict=True) for x in b) / (n - k)
+    spread = sum(len(b) * (m - overall) ** 2 for b, m in zip(blocks, means, strict=True))
+    if within <= 0:  # no noise inside the blocks: any difference between them is real
+        if spread <= 0:
+            return None, False
+        tau2 = spread / n
+        return sum((len(b) / n) ** 2 * tau2 for b in blocks), True
+    q = spread / within
+    weights = [len(b) / within for b in blocks]
+    scale = sum(weights) - sum(w * w for w in weights) / sum(weights)
+    tau2 = max(0.0, (q - (k - 1)) / scale)
+    disagree = q > chi2_95(k - 1)
+    if tau2 == 0:
+        return None, disagree
+    # The plain mean weighs every round alike; its variance under the model:
+    return sum((len(b) / n) ** 2 * (within / len(b) + tau2) for b in blocks), disagree
