@@ -9,6 +9,7 @@ import pytest
 
 from loader_search.params import LoaderParams
 from loader_search.study._pipeline import (
+    SNAPSHOT_FORMAT,
     BatchLimit,
     Lift,
     Observation,
@@ -226,15 +227,29 @@ def test_a_stored_snapshot_entry_reads_and_writes_back_unchanged() -> None:
     assert list(written) == list(STORED_ENTRY)
     assert list(written["lifts"][0]) == list(STORED_ENTRY["lifts"][0])
     snapshot = PipelineSnapshot(MODEL, {64: entry}).as_dict()
-    assert list(snapshot) == ["model", "batch_sizes"]
+    assert list(snapshot) == ["format", "model", "batch_sizes"]
+    assert snapshot["format"] == SNAPSHOT_FORMAT == 1
     assert snapshot["batch_sizes"] == {"64": STORED_ENTRY}
     assert PipelineModel.from_dict(snapshot["model"]) == MODEL
+    assert PipelineSnapshot.read(snapshot, 64) == (MODEL, entry)
+
+
+def test_a_snapshot_stored_before_its_format_reads_and_a_newer_format_is_refused() -> None:
+    # Snapshots stored before the "format" key have the layout of format 1.
+    older = {"model": MODEL.as_dict(), "batch_sizes": {"64": STORED_ENTRY}}
+    assert PipelineSnapshot.read(older, 64) == (MODEL, BatchLimit.from_dict(STORED_ENTRY))
+    # One a newer loader-search wrote into a shared database is not misread.
+    with pytest.raises(ValueError, match="format 2; this version reads 1"):
+        PipelineSnapshot.read({**older, "format": 2}, 64)
+    with pytest.raises(ValueError, match="not a stored pipeline snapshot"):
+        PipelineSnapshot.read(["not", "a", "snapshot"], 64)
 
 
 @pytest.mark.parametrize(
     "damage",
     [
         {"bottleneck": "the moon"},
+        {"limit_from": "a hunch"},
         {"limit_samples_per_s": "fast"},
         {"limit_params": {"num_workers": 2}},
         {"lifts": [{"lever": "more_cpus"}]},

@@ -42,6 +42,7 @@ from loader_search.study._keys import (
 from loader_search.study._pipeline import (
     BatchLimit,
     Lift,
+    LimitSource,
     Observation,
     PipelineModel,
     PipelineSnapshot,
@@ -234,7 +235,8 @@ class Guide:
         batches: dict[int, BatchLimit] = {}
         for batch in self.space.batch_sizes:
             best = model.best(batch, self.space)
-            limit, params, source = best.throughput, best.params, "model"
+            limit, params = best.throughput, best.params
+            source: LimitSource = "model"
             if batch in measured and measured[batch][0] > limit:
                 # A limit below what was measured is the model's error: the measurement stands.
                 (limit, params), source = measured[batch], "measurement"

@@ -41,6 +41,14 @@ Bottleneck = Literal["device", "loader_workers", "main_process", "cpus"]
 # step runs on the very CPUs the loading needs, so it is no separate device that bounds the
 # pipeline but the CPUs, shared by both (more cores, a cheaper step or cheaper loading lift it).
 BOTTLENECKS: tuple[Bottleneck, ...] = ("device", "loader_workers", "main_process", "cpus")
+# Who says a batch size's limit: the model, or a measured setting that beat the model's limit.
+LimitSource = Literal["model", "measurement"]
+LIMIT_SOURCES: tuple[LimitSource, ...] = ("model", "measurement")
+# The layout of the stored snapshot (`PipelineSnapshot.as_dict`, its "format"). Snapshots
+# stored before it was written have none and the same layout: format 1. A reader meets a
+# newer one when a newer loader-search shares the database: it shows no pipeline view rather
+# than a misread one.
+SNAPSHOT_FORMAT = 1
 # A ceiling taken from another thread count scales by (threads ratio) ** this: intra-op
 # parallelism of a small model is far from linear.
 THREAD_SCALING = 0.6
@@ -136,7 +144,7 @@ class BatchLimit:
     the limit, and what would lift it (largest first)."""
 
     limit_samples_per_s: float
-    limit_from: str  # "model", or "measurement" where a measured setting beat the model
+    limit_from: LimitSource
     bottleneck: Bottleneck
     extrapolated: bool
     limit_params: LoaderParams
@@ -159,9 +167,12 @@ class BatchLimit:
             bottleneck = data["bottleneck"]
             if bottleneck not in BOTTLENECKS:
                 raise ValueError(f"not a stored batch limit: bottleneck {bottleneck!r}")
+            source = data.get("limit_from", "model")
+            if source not in LIMIT_SOURCES:
+                raise ValueError(f"not a stored batch limit: limit_from {source!r}")
             return cls(
                 limit_samples_per_s=float(data["limit_samples_per_s"]),
-                limit_from=str(data.get("limit_from", "model")),
+                limit_from=source,
                 bottleneck=bottleneck,
                 extrapolated=bool(data["extrapolated"]),
                 limit_params=LoaderParams.from_dict(data["limit_params"]),
@@ -184,15 +195,22 @@ class PipelineSnapshot:
     @staticmethod
     def read(data: Any, batch_size: int) -> tuple[PipelineModel, BatchLimit]:
         """The model and the entry of ``batch_size`` from a snapshot `as_dict` stored, the
-        other entries left unread (`ValueError` when either is not readable)."""
+        other entries left unread (`ValueError` when either is not readable, or the snapshot
+        is of another format than `SNAPSHOT_FORMAT`)."""
         try:
             model, entry = data["model"], data["batch_sizes"][str(batch_size)]
-        except (KeyError, TypeError) as exc:
+            layout = data.get("format", 1)
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a stored pipeline snapshot: {exc}") from None
+        if layout != SNAPSHOT_FORMAT:
+            raise ValueError(
+                f"a pipeline snapshot of format {layout!r}; this version reads {SNAPSHOT_FORMAT}"
+            )
         return PipelineModel.from_dict(model), BatchLimit.from_dict(entry)
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "format": SNAPSHOT_FORMAT,
             "model": self.model.as_dict(),
             "batch_sizes": {str(b): limit.as_dict() for b, limit in self.batch_sizes.items()},
         }

@@ -29,7 +29,7 @@ from loader_search.params import STEP_KEYS, LoaderParams
 from loader_search.study._confirm import paired_speedups
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
 from loader_search.study._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
-from loader_search.study._pipeline import Bottleneck, Lift, PipelineSnapshot
+from loader_search.study._pipeline import Bottleneck, Lift, LimitSource, PipelineSnapshot
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 
 RecommendationVerdict = Literal["faster", "no_reliable_gain", "not_confirmed"]
@@ -50,7 +50,7 @@ class PipelineView:
     what would lift the limit."""
 
     limit_samples_per_s: float
-    limit_from: str  # "model", or "measurement" where a measured setting beat the model
+    limit_from: LimitSource  # "measurement" where a measured setting beat the model
     efficiency_vs_limit: float
     bottleneck: Bottleneck  # for the recommended setting
     predicted_samples_per_s: float
@@ -263,7 +263,8 @@ def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:
         prediction = model.predict(point.params)
     except (KeyError, TypeError, ValueError):
         return None
-    limit, limit_params, source = entry.limit_samples_per_s, entry.limit_params, entry.limit_from
+    limit, limit_params = entry.limit_samples_per_s, entry.limit_params
+    source: LimitSource = entry.limit_from
     if limit <= 0:
         return None
     if point.throughput > limit:
