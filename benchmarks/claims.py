@@ -32,7 +32,12 @@ from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
-from loader_search.study._keys import is_confirmation, stored_params
+from loader_search.study._keys import (
+    MEASURED_SAMPLES,
+    WINDOW_FAULTS,
+    is_confirmation,
+    stored_params,
+)
 from loader_search.study._paired import paired_speedup
 from loader_search.study._session import run_study
 
@@ -50,6 +55,7 @@ def side_by_side(
     runner), alternating which goes first."""
     ratios = []
     readings: dict[str, list[float]] = {"baseline": [], "recommended": []}
+    faults: dict[str, list[float]] = {"baseline": [], "recommended": []}
     for round_ in range(rounds):
         order = [("baseline", baseline), ("recommended", candidate)]
         if round_ % 2:
@@ -61,6 +67,7 @@ def side_by_side(
             )
             measured[name] = value["throughput"]
             readings[name].append(value["throughput"])
+            faults[name].append(value["faults_per_batch"])
         ratios.append(measured["recommended"] / measured["baseline"])
     speedup = paired_speedup(ratios)
     assert speedup is not None, "at least 2 rounds"
@@ -69,6 +76,7 @@ def side_by_side(
         "ci95": [speedup.low, speedup.high],
         "ratios": ratios,
         "readings": readings,
+        "faults_per_batch": faults,
     }
 
 
@@ -87,16 +95,26 @@ def confirmation_share(storage: str, name: str) -> dict[str, float]:
 
 
 def confirmation_readings(
-    storage: str, name: str, settings: dict[str, LoaderParams]
+    storage: str, name: str, settings: dict[str, LoaderParams], key: str | None = None
 ) -> dict[str, list[float]]:
-    """What the study's confirmation rounds read of each of ``settings`` (samples/s)."""
+    """What the study's confirmation rounds read of each of ``settings``: samples/s, or with
+    ``key`` "faults_per_batch" the window's minor page faults per batch."""
     study = optuna.load_study(study_name=name, storage=storage)
     wanted = {params: key for key, params in settings.items()}
     found: dict[str, list[float]] = {key: [] for key in settings}
     for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE]):
         params = stored_params(trial)
-        if is_confirmation(trial) and params in wanted and trial.values:
+        if not (is_confirmation(trial) and params in wanted and trial.values):
+            continue
+        if key is None:
             found[wanted[params]].append(trial.values[0])
+            continue
+        faults, samples = (
+            trial.user_attrs.get(WINDOW_FAULTS),
+            trial.user_attrs.get(MEASURED_SAMPLES),
+        )
+        if isinstance(faults, int) and isinstance(samples, int) and samples > 0:
+            found[wanted[params]].append(faults / (samples / params.micro_batch_size))
     return found
 
 
@@ -141,12 +159,21 @@ def one_study(
     low, high = result["claim_ci95"] or (None, None)
     # Each setting as the study read it against the reference loop afterwards: a runner that
     # reads one setting low shows here (the medians; machine state moves both alike).
-    study_read = confirmation_readings(
-        storage, str(config.name), {"baseline": base.params, "recommended": rec.point.params}
-    )
+    both = {"baseline": base.params, "recommended": rec.point.params}
+    study_read = confirmation_readings(storage, str(config.name), both)
+    # The window's minor page faults per batch, medians: the study's trials beside the
+    # reference loop's (a forked trial inherits its worker's allocator; a script does not).
+    study_faults = confirmation_readings(storage, str(config.name), both, "faults_per_batch")
     return {
         **result,
         "study_readings": study_read,
+        "faults_per_batch": {
+            key: {
+                "study": statistics.median(study_faults[key]) if study_faults[key] else None,
+                "reference": statistics.median(measured["faults_per_batch"][key]),
+            }
+            for key in both
+        },
         "study_over_reference": {
             key: statistics.median(values) / statistics.median(measured["readings"][key])
             for key, values in study_read.items()

@@ -342,6 +342,14 @@ def replay_section(rows: list[dict[str, Any]], budgets: list[int], seeds: int) -
     )
 
 
+def _faults(pair: dict[str, float | None] | None) -> str:
+    if not pair:
+        return "-"
+    return " / ".join(
+        "-" if pair[k] is None else f"{pair[k]:,.0f}" for k in ("study", "reference")
+    )
+
+
 def claims_section(result: dict[str, Any]) -> str:
     rows = []
     for r in result["studies"]:
@@ -365,6 +373,7 @@ def claims_section(result: dict[str, Any]) -> str:
                     f"{r.get('study_over_reference', {}).get(k, float('nan')):.2f}"
                     for k in ("baseline", "recommended")
                 ),
+                "faults": _faults(r.get("faults_per_batch", {}).get("baseline")),
             }
         )
     columns = [
@@ -382,6 +391,7 @@ def claims_section(result: dict[str, Any]) -> str:
         ("share", "confirmation share", ".0%"),
         ("blocks", "blocks", ""),
         ("runner", "study / reference (baseline / recommended)", ""),
+        ("faults", "baseline's page faults per batch: study / reference", ""),
     ]
     summary = "No study recommended anything but its baseline."
     if result["checked"]:

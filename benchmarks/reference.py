@@ -13,7 +13,9 @@ as a user's training script is:
 3. The first ``warmup`` batches are not timed (worker start-up, the prefetch burst); then
    ``windows`` consecutive windows of ``window_batches`` batches each, timed with
    ``time.perf_counter`` between the ends of two steps. The reading is the median window
-   (samples/s); the windows run across epoch boundaries as training does.
+   (samples/s); the windows run across epoch boundaries as training does. Each window's minor
+   page faults (``getrusage``, read at the same edges) come with it: a diagnostic to set
+   beside a trial's ``window_minor_faults`` (issue 27).
 
 Nothing else runs in the process: no meters, no progress pings, no memory sampling.
 """
@@ -25,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -82,7 +85,7 @@ def train_and_time(
     loader = DataLoader(workload.train_dataset, collate_fn=workload.collate_fn, **kwargs)
 
     needed = warmup + windows * window_batches
-    marks: list[tuple[float, int]] = []  # (time, samples trained) at each window's edges
+    marks: list[tuple[float, int, int]] = []  # (time, samples, faults) at each window's edges
     done = samples = 0
     model.train()
     while done < needed:
@@ -94,13 +97,21 @@ def train_and_time(
             done += 1
             samples += len(targets)
             if done >= warmup and (done - warmup) % window_batches == 0:
-                marks.append((time.perf_counter(), samples))
+                faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                marks.append((time.perf_counter(), samples, faulted))
             if done >= needed:
                 break
-    rates = [(s1 - s0) / (t1 - t0) for (t0, s0), (t1, s1) in itertools.pairwise(marks)]
+    edges = list(itertools.pairwise(marks))
+    rates = [(s1 - s0) / (t1 - t0) for (t0, s0, _), (t1, s1, _) in edges]
     if not math.isfinite(loss.item()):
         raise RuntimeError(f"training diverged (loss {loss.item()})")
-    return {"throughput": statistics.median(rates), "windows": rates}
+    faults = [f1 - f0 for (_, _, f0), (_, _, f1) in edges]
+    return {
+        "throughput": statistics.median(rates),
+        "windows": rates,
+        "minor_faults": faults,
+        "faults_per_batch": statistics.median(faults) / window_batches,
+    }
 
 
 def reading(

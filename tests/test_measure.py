@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -26,6 +27,31 @@ def test_window_excludes_warmup_batches() -> None:
     assert stats.measured_time_s < 0.25  # the 0.3 s start is not in the window
     assert 0.0 < stats.data_wait_fraction <= 1.0
     assert stats.throughput == pytest.approx(40 / stats.measured_time_s)
+
+
+def test_the_window_counts_the_page_faults_of_memory_touched_inside_it() -> None:
+    meter = StepMeter(warmup_batches=1)
+    meter.start()
+    for step in range(3):
+        meter.wait_begin()
+        meter.wait_end()
+        if step == 2:  # inside the window: 64 MiB of fresh pages, each touched once
+            block = mmap.mmap(-1, 64 * 2**20)
+            for offset in range(0, len(block), mmap.PAGESIZE):
+                block[offset] = 1
+            block.close()
+        meter.step(4)
+    stats = meter.finish()
+    pages = 64 * 2**20 // mmap.PAGESIZE
+    assert stats.minor_faults is not None and stats.minor_faults >= pages * 0.9
+    # A window that touches nothing new faults far less.
+    quiet = StepMeter(warmup_batches=1)
+    quiet.start()
+    for _ in range(3):
+        quiet.wait_begin()
+        quiet.wait_end()
+        quiet.step(4)
+    assert (quiet.finish().minor_faults or 0) < pages / 10
 
 
 def test_finish_without_measured_batches_is_an_error() -> None:

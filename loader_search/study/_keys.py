@@ -81,6 +81,8 @@ DATA_WAIT = "data_wait_fraction"
 PEAK_RSS = "peak_host_rss_bytes"
 PEAK_GPU = "peak_gpu_bytes"
 TRAIN_TIME = "train_time_s"
+MEASURED_SAMPLES = "measured_samples"  # samples in the throughput window
+WINDOW_FAULTS = "window_minor_faults"  # the training process's page faults in the window
 # Stage costs (`loader_search.trial._stages`), read by the pipeline model.
 PRODUCER_COST = "producer_cpu_s_per_sample"
 COLLATE_COST = "collate_cpu_s_per_batch"

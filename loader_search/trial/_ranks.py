@@ -243,6 +243,7 @@ def merge(results: list[TrialResult]) -> TrialResult:
         "cpu_used_cores": [main_cpu, *own_cpu],
         "peak_host_rss_bytes": [r.peak_host_rss_bytes for r in results],
         "time_to_first_batch_s": [r.time_to_first_batch_s for r in results],
+        "window_minor_faults": [r.window_minor_faults for r in results],
     }
 
     def middle(key: str) -> float | None:
@@ -257,6 +258,9 @@ def merge(results: list[TrialResult]) -> TrialResult:
         train_samples=sum(r.train_samples for r in results),
         data_wait_fraction=middle("data_wait_fraction") or 0.0,
         time_to_first_batch_s=max(per_rank["time_to_first_batch_s"]),
+        window_minor_faults=sum(f for f in per_rank["window_minor_faults"] if f is not None)
+        if any(f is not None for f in per_rank["window_minor_faults"])
+        else None,
         producer_cpu_s_per_sample=middle("producer_cpu_s_per_sample"),
         main_cpu_s_per_batch=middle("main_cpu_s_per_batch"),
         ceiling_samples_per_s=(

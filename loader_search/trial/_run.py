@@ -143,6 +143,8 @@ class TrialResult:
     skipped_steps: int | None = None
     # The window's slowest step over its median step: a spike left in it shows here.
     slowest_step_over_median: float | None = None
+    # The training process's minor page faults over the window (`WindowStats.minor_faults`).
+    window_minor_faults: int | None = None
     # A multi-rank trial (loader_search.trial._ranks): its ranks, and each rank's figures
     # (lists, rank 0 first); the fields above are the node's.
     ranks: int | None = None
@@ -306,6 +308,7 @@ class _Measured:
             window_recompile_s=window.excluded_s if compiled else None,
             skipped_steps=self.step.skipped_steps if self.step.scaler is not None else None,
             slowest_step_over_median=window.slowest_step_over_median,
+            window_minor_faults=window.minor_faults,
         )
 
 
