@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from loader_search.trial._measure import PeakRSS, StepMeter, tree_rss_bytes
+from loader_search.trial._measure import PeakRSS, StepMeter, WindowStats, tree_rss_bytes
 
 
 def test_window_excludes_warmup_batches() -> None:
@@ -29,29 +29,28 @@ def test_window_excludes_warmup_batches() -> None:
     assert stats.throughput == pytest.approx(40 / stats.measured_time_s)
 
 
-def test_the_window_counts_the_page_faults_of_memory_touched_inside_it() -> None:
+def _window_touching(mib: int) -> WindowStats:
+    """A 2-batch window whose second batch touches ``mib`` MiB of fresh pages once each."""
     meter = StepMeter(warmup_batches=1)
     meter.start()
     for step in range(3):
         meter.wait_begin()
         meter.wait_end()
-        if step == 2:  # inside the window: 64 MiB of fresh pages, each touched once
-            block = mmap.mmap(-1, 64 * 2**20)
+        if step == 2 and mib:
+            block = mmap.mmap(-1, mib * 2**20)
             for offset in range(0, len(block), mmap.PAGESIZE):
                 block[offset] = 1
             block.close()
         meter.step(4)
-    stats = meter.finish()
+    return meter.finish()
+
+
+def test_the_window_counts_the_page_faults_of_memory_touched_inside_it() -> None:
     pages = 64 * 2**20 // mmap.PAGESIZE
-    assert stats.minor_faults is not None and stats.minor_faults >= pages * 0.9
+    touched = _window_touching(64).minor_faults
+    assert touched is not None and touched >= pages * 0.9
     # A window that touches nothing new faults far less.
-    quiet = StepMeter(warmup_batches=1)
-    quiet.start()
-    for _ in range(3):
-        quiet.wait_begin()
-        quiet.wait_end()
-        quiet.step(4)
-    assert (quiet.finish().minor_faults or 0) < pages / 10
+    assert (_window_touching(0).minor_faults or 0) < pages / 10
 
 
 def test_finish_without_measured_batches_is_an_error() -> None:
