@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import FrozenTrial
 
 from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, quick_config
@@ -94,28 +95,27 @@ def confirmation_share(storage: str, name: str) -> dict[str, float]:
     return {"trials_s": total, "confirmation_s": confirming, "share": confirming / total}
 
 
-def confirmation_readings(
-    storage: str, name: str, settings: dict[str, LoaderParams], key: str | None = None
-) -> dict[str, list[float]]:
-    """What the study's confirmation rounds read of each of ``settings``: samples/s, or with
-    ``key`` "faults_per_batch" the window's minor page faults per batch."""
+def confirmation_trials(
+    storage: str, name: str, settings: dict[str, LoaderParams]
+) -> dict[str, list[FrozenTrial]]:
+    """The study's finished confirmation trials of each of ``settings``, by its key."""
     study = optuna.load_study(study_name=name, storage=storage)
     wanted = {params: key for key, params in settings.items()}
-    found: dict[str, list[float]] = {key: [] for key in settings}
+    found: dict[str, list[FrozenTrial]] = {key: [] for key in settings}
     for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE]):
         params = stored_params(trial)
-        if not (is_confirmation(trial) and params in wanted and trial.values):
-            continue
-        if key is None:
-            found[wanted[params]].append(trial.values[0])
-            continue
-        faults, samples = (
-            trial.user_attrs.get(WINDOW_FAULTS),
-            trial.user_attrs.get(MEASURED_SAMPLES),
-        )
-        if isinstance(faults, int) and isinstance(samples, int) and samples > 0:
-            found[wanted[params]].append(faults / (samples / params.micro_batch_size))
+        if is_confirmation(trial) and params in wanted and trial.values:
+            found[wanted[params]].append(trial)
     return found
+
+
+def faults_per_batch(trial: FrozenTrial, params: LoaderParams) -> float | None:
+    """The trial's minor page faults in its window, per batch (None: not stored)."""
+    faults = trial.user_attrs.get(WINDOW_FAULTS)
+    samples = trial.user_attrs.get(MEASURED_SAMPLES)
+    if isinstance(faults, int) and isinstance(samples, int) and samples > 0:
+        return faults / (samples / params.micro_batch_size)
+    return None
 
 
 def one_study(
@@ -160,10 +160,14 @@ def one_study(
     # Each setting as the study read it against the reference loop afterwards: a runner that
     # reads one setting low shows here (the medians; machine state moves both alike).
     both = {"baseline": base.params, "recommended": rec.point.params}
-    study_read = confirmation_readings(storage, str(config.name), both)
+    trials = confirmation_trials(storage, str(config.name), both)
+    study_read = {key: [t.values[0] for t in found] for key, found in trials.items()}
     # The window's minor page faults per batch, medians: the study's trials beside the
-    # reference loop's (a forked trial inherits its worker's allocator; a script does not).
-    study_faults = confirmation_readings(storage, str(config.name), both, "faults_per_batch")
+    # reference loop's.
+    study_faults = {
+        key: [f for t in found if (f := faults_per_batch(t, both[key])) is not None]
+        for key, found in trials.items()
+    }
     return {
         **result,
         "study_readings": study_read,

@@ -101,11 +101,10 @@ def paired_speedup(ratios: Sequence[float]) -> PairedSpeedup | None:
     if len(ratios) < 2:
         return None
     spread = _log_spread(ratios)
-    margin = t_975(spread.degrees) * math.sqrt(spread.variance)
     return PairedSpeedup(
         math.exp(spread.mean),
-        math.exp(spread.mean - margin),
-        math.exp(spread.mean + margin),
+        math.exp(spread.mean - spread.margin),
+        math.exp(spread.mean + spread.margin),
         len(ratios),
         blocks_disagree=spread.disagree,
     )
@@ -119,12 +118,19 @@ class _LogSpread:
     variance: float  # of the mean
     degrees: int
     disagree: bool  # the blocks disagree (see the module docstring)
+    round_sd: float  # one round's standard deviation
+
+    @property
+    def margin(self) -> float:
+        """Half the 95% interval of the mean (of the log ratios)."""
+        return t_975(self.degrees) * math.sqrt(self.variance)
 
 
 def _log_spread(ratios: Sequence[float]) -> _LogSpread:
     logs = [math.log(r) for r in ratios]
     n = len(logs)
-    variance = stdev(logs) ** 2 / n  # of the mean, rounds independent
+    round_sd = stdev(logs)
+    variance = round_sd**2 / n  # of the mean, rounds independent
     degrees = n - 1
     blocks = [logs[i : i + BLOCK_ROUNDS] for i in range(0, n, BLOCK_ROUNDS)]
     disagree = False
@@ -134,7 +140,7 @@ def _log_spread(ratios: Sequence[float]) -> _LogSpread:
             variance = max(variance, between)
         if disagree:
             degrees = len(blocks) - 1  # the blocks, not the rounds, are the independent units
-    return _LogSpread(fmean(logs), variance, degrees, disagree)
+    return _LogSpread(fmean(logs), variance, degrees, disagree, round_sd)
 
 
 def chance_of_gain(ratios: Sequence[float], more: int) -> float:
@@ -147,8 +153,8 @@ def chance_of_gain(ratios: Sequence[float], more: int) -> float:
         raise ValueError(f"a chance of gain needs at least 2 rounds, got {len(ratios)}")
     now = _log_spread(ratios)
     if more <= 0:
-        return 1.0 if now.mean > t_975(now.degrees) * math.sqrt(now.variance) else 0.0
-    noise = stdev(math.log(r) for r in ratios)  # one round's
+        return 1.0 if now.mean > now.margin else 0.0
+    noise = now.round_sd
     if noise == 0:
         return 1.0 if now.mean > 0 else 0.0
     # At the cap the interval's low end lies above 1 when the mean of all the log ratios

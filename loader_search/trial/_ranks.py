@@ -246,6 +246,8 @@ def merge(results: list[TrialResult]) -> TrialResult:
         "window_minor_faults": [r.window_minor_faults for r in results],
     }
 
+    faults = [f for f in per_rank["window_minor_faults"] if f is not None]
+
     def middle(key: str) -> float | None:
         values = [v for v in per_rank[key] if v is not None]
         return statistics.median(values) if values else None
@@ -258,9 +260,7 @@ def merge(results: list[TrialResult]) -> TrialResult:
         train_samples=sum(r.train_samples for r in results),
         data_wait_fraction=middle("data_wait_fraction") or 0.0,
         time_to_first_batch_s=max(per_rank["time_to_first_batch_s"]),
-        window_minor_faults=sum(f for f in per_rank["window_minor_faults"] if f is not None)
-        if any(f is not None for f in per_rank["window_minor_faults"])
-        else None,
+        window_minor_faults=sum(faults) if faults else None,
         producer_cpu_s_per_sample=middle("producer_cpu_s_per_sample"),
         main_cpu_s_per_batch=middle("main_cpu_s_per_batch"),
         ceiling_samples_per_s=(
