@@ -8,7 +8,11 @@ study is done, the baseline and the recommendation side by side: ``rounds`` pair
 the reference loop (`benchmarks.reference`: a plain training loop, a fresh process per
 reading, sharing no code with the service's trial runner, so a bias of the runner cannot hide
 in both sides), each round both settings in alternating order. The side-by-side speedup is
-the geometric mean of the per-round ratios, with its own 95% interval. Also per study: the
+the geometric mean of the per-round ratios, with its own 95% interval. Interleaved into the
+same rounds, each setting is also read by the service's own runner from this process (the
+study's worker, as its confirmation trials were: `benchmarks.ground_truth.measure`), so a
+claim's error splits into what the runner reads differently from the plain loop at the same
+time and what changed between the study's rounds and the check. Also per study: the
 confirmation rounds' share of the time its trials took.
 
 Figures: per study, the claim, its interval, the side-by-side speedup, the claim error
@@ -18,6 +22,7 @@ over the studies, the median absolute claim error and the coverage.
 
 from __future__ import annotations
 
+import random
 import statistics
 import tempfile
 import time
@@ -30,7 +35,7 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from benchmarks import reference
-from benchmarks.ground_truth import QUICKSTART, quick_config
+from benchmarks.ground_truth import QUICKSTART, measure, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._keys import (
@@ -41,6 +46,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._paired import paired_speedup
 from loader_search.study._session import run_study
+from loader_search.workloads import Workload, load_workload
 
 
 def side_by_side(
@@ -50,35 +56,80 @@ def side_by_side(
     candidate: LoaderParams,
     rounds: int,
     window: dict[str, int] | None = None,
+    *,
+    workload: Workload | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """``rounds`` paired rounds of the two settings through the reference loop
     (`benchmarks.reference`: a plain training loop in a fresh process, no code of the trial
-    runner), alternating which goes first."""
-    ratios = []
-    readings: dict[str, list[float]] = {"baseline": [], "recommended": []}
+    runner), alternating which goes first. With ``workload``, each round also reads both
+    settings with the service's runner (a confirmation trial forked from this process), the
+    round's four readings in a shuffled order."""
+    settings = {"baseline": baseline, "recommended": candidate}
+    methods = ("reference", "runner") if workload is not None else ("reference",)
+    rng = random.Random(seed)
+    readings: dict[str, dict[str, list[float]]] = {m: {n: [] for n in settings} for m in methods}
     faults: dict[str, list[float]] = {"baseline": [], "recommended": []}
     for round_ in range(rounds):
-        order = [("baseline", baseline), ("recommended", candidate)]
-        if round_ % 2:
-            order.reverse()
-        measured = {}
-        for name, params in order:
+        if workload is None:
+            jobs = [("reference", "baseline"), ("reference", "recommended")]
+            if round_ % 2:
+                jobs.reverse()
+        else:
+            jobs = [(method, name) for method in methods for name in settings]
+            rng.shuffle(jobs)
+        for method, name in jobs:
+            params = settings[name]
+            if method == "runner":
+                assert workload is not None
+                row = measure(workload, config, params, ceiling=False, stop_early=True)
+                if "throughput" not in row:
+                    raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
+                readings[method][name].append(float(row["throughput"]))
+                continue
             value = reference.reading(
                 config_path, params.as_dict(), config.workload_options, **(window or {})
             )
-            measured[name] = value["throughput"]
-            readings[name].append(value["throughput"])
+            readings[method][name].append(value["throughput"])
             faults[name].append(value["faults_per_batch"])
-        ratios.append(measured["recommended"] / measured["baseline"])
-    speedup = paired_speedup(ratios)
-    assert speedup is not None, "at least 2 rounds"
-    return {
+    speedups = {}
+    for method in methods:
+        ratios = [
+            r / b
+            for r, b in zip(
+                readings[method]["recommended"], readings[method]["baseline"], strict=True
+            )
+        ]
+        speedup = paired_speedup(ratios)
+        assert speedup is not None, "at least 2 rounds"
+        speedups[method] = (speedup, ratios)
+    speedup, ratios = speedups["reference"]
+    result: dict[str, Any] = {
         "speedup": speedup.estimate,
         "ci95": [speedup.low, speedup.high],
         "ratios": ratios,
-        "readings": readings,
+        "readings": readings["reference"],
         "faults_per_batch": faults,
     }
+    if "runner" in speedups:
+        runner, runner_ratios = speedups["runner"]
+        result["runner"] = {
+            "speedup": runner.estimate,
+            "ci95": [runner.low, runner.high],
+            "ratios": runner_ratios,
+            "readings": readings["runner"],
+            # Each setting: the runner's reading over the reference's in the same round.
+            "over_reference": {
+                name: statistics.median(
+                    a / b
+                    for a, b in zip(
+                        readings["runner"][name], readings["reference"][name], strict=True
+                    )
+                )
+                for name in settings
+            },
+        }
+    return result
 
 
 def confirmation_share(storage: str, name: str) -> dict[str, float]:
@@ -154,7 +205,19 @@ def one_study(
     if rec.point.params == base.params:  # nothing beat the baseline: no speedup to check
         return {**result, "side_by_side": None, "claim_error": None, "covered": None}
     started = time.perf_counter()
-    measured = side_by_side(config_path, config, base.params, rec.point.params, rounds, window)
+    # The runner's readings are forked from this process, the study's worker: its state is
+    # what the confirmation trials' was.
+    workload = load_workload(config.workload, config.workload_options)
+    measured = side_by_side(
+        config_path,
+        config,
+        base.params,
+        rec.point.params,
+        rounds,
+        window,
+        workload=workload,
+        seed=seed,
+    )
     truth = measured["speedup"]
     low, high = result["claim_ci95"] or (None, None)
     # Each setting as the study read it against the reference loop afterwards: a runner that

@@ -374,6 +374,7 @@ def claims_section(result: dict[str, Any]) -> str:
                     for k in ("baseline", "recommended")
                 ),
                 "faults": _faults(r.get("faults_per_batch", {}).get("baseline")),
+                "after": _runner_after(measured),
             }
         )
     columns = [
@@ -392,6 +393,7 @@ def claims_section(result: dict[str, Any]) -> str:
         ("blocks", "blocks", ""),
         ("runner", "study / reference (baseline / recommended)", ""),
         ("faults", "baseline's page faults per batch: study / reference", ""),
+        ("after", "runner beside the reference: speedup (baseline / recommended over it)", ""),
     ]
     summary = "No study recommended anything but its baseline."
     if result["checked"]:
@@ -423,6 +425,16 @@ def claims_section(result: dict[str, Any]) -> str:
             summary,
         ]
     )
+
+
+def _runner_after(measured: dict[str, Any] | None) -> str:
+    """The runner's readings interleaved with the reference's: its speedup, and each setting's
+    reading over the reference's in the same rounds."""
+    runner = (measured or {}).get("runner")
+    if not runner:
+        return "-"
+    over = runner["over_reference"]
+    return f"{runner['speedup']:.3f}x ({over['baseline']:.2f} / {over['recommended']:.2f})"
 
 
 def speedup_section(result: dict[str, Any]) -> str:

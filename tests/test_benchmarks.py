@@ -139,6 +139,10 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
             continue
         assert len(measured["ratios"]) == claims["rounds"] == 2
         assert study["claim_error"] == pytest.approx(study["claim"] / measured["speedup"] - 1)
+        # The runner's readings interleaved into the same rounds, each setting every round.
+        runner = measured["runner"]
+        assert all(len(v) == 2 for v in runner["readings"].values())
+        assert len(runner["ratios"]) == 2 and runner["speedup"] > 0
         if study["claim_ci95"] is not None:
             low, high = study["claim_ci95"]
             assert study["covered"] == (low <= measured["speedup"] <= high)
