@@ -2,15 +2,18 @@
 
 ``python -m benchmarks.selection [--studies 300]`` runs the study's own round logic
 (`next_remeasure`, `summarize_trials`) on in-memory Optuna studies whose readings are drawn
-from known speeds: a shared drift per round (log-normal, 10%) times each reading's own noise.
-Two candidates, true speedups given per case. It prints, per case and noise level, with the
-futility stop (`ConfirmSettings.futility`, the default) and without it (the rounds then run to
-the cap unless decided): the median and mean of stated / true speedup for the claim as stated
+from known speeds: the machine's drift (log-normal, 10%; shared by the readings of one round)
+times each reading's own noise. Two candidates, true speedups given per case; the search's
+single readings (each with a drift of its own) choose which of them beat the baseline and
+their order, as a study's do. It prints, per case and noise level and per rule (a race of two
+candidates, the same without the futility stop `ConfirmSettings.futility`, and no race:
+``top`` 1, the default): the median and mean of stated / true speedup for the claim as stated
 (the leader's rounds after the race, `Rounds.claims`) and for the same studies' claim from
 every round of the leader (the race's round included, `Rounds.speedups`), how often each
 interval covers the truth, how often the verdict is "faster", how often the leader is truly
-the fastest, and the trials the rounds took. Nothing is timed: no machine noise, only the
-statistics of the rule (issue 27's winner's curse and the confirmation's cost).
+the fastest and its true speed over the fastest's (what the choice costs), and the trials the
+rounds took. Nothing is timed: no machine noise, only the statistics of the rules (issue 27's
+winner's curse and the confirmation's cost).
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ CASES = {
     "none": (1.0, 0.97),  # workers do not pay: the verdict should be "keep the baseline"
 }
 RULES = {
-    "futility stop": SETTINGS,
-    "no futility stop": dataclasses.replace(SETTINGS, futility=0.0),
+    "race of 2": SETTINGS,
+    "race of 2, no futility stop": dataclasses.replace(SETTINGS, futility=0.0),
+    "no race (top 1)": dataclasses.replace(SETTINGS, top=1),
 }
 NOISE = (0.08, 0.15)  # each reading's own log-normal noise
+DRIFT = 0.1  # the machine's log-normal drift, shared by the readings of one round
 
 
 def _trial(number: int, params: LoaderParams, value: float, **attrs: object) -> FrozenTrial:
@@ -73,9 +78,9 @@ def _trial(number: int, params: LoaderParams, value: float, **attrs: object) -> 
 class Outcome:
     """One simulated study's rounds: the leader, both of its claims, the trials they took."""
 
-    leader: LoaderParams
-    stated: PairedSpeedup  # from the rounds after the race (what the study states)
-    every: PairedSpeedup  # from all the leader's rounds, the race's included
+    leader: LoaderParams  # the baseline where no candidate read faster in the search
+    stated: PairedSpeedup | None  # from the rounds after the race (what the study states)
+    every: PairedSpeedup | None  # from all the leader's rounds, the race's included
     trials: int
 
 
@@ -84,44 +89,59 @@ def one_study(
 ) -> Outcome:
     """The rounds of one simulated study."""
     rng = random.Random(seed)
+    # The search's single readings, each at a time of its own (its own drift): they choose
+    # the candidates and their order, as a study's do.
     trials = [
-        _trial(0, BASE, 100.0, **{BASELINE_ATTR: True}),
-        _trial(1, A, 150.0),
-        _trial(2, B, 140.0),
+        _trial(number, params, 100.0 * speeds[params] * _noisy(rng, noise), **attrs)
+        for number, (params, attrs) in enumerate([(BASE, {BASELINE_ATTR: True}), (A, {}), (B, {})])
     ]
     drift: dict[int, float] = {}
     asked = 0
     while (step := next_remeasure(trials, settings)) is not None:
         asked += 1
-        shared = drift.setdefault(step.round, rng.lognormvariate(0, 0.1))
+        shared = drift.setdefault(step.round, rng.lognormvariate(0, DRIFT))
         value = 100.0 * speeds[step.params] * shared * rng.lognormvariate(0, noise)
         attrs = {CONFIRMATION_ATTR: True, CONFIRM_ROUND_ATTR: step.round}
         trials.append(_trial(len(trials), step.params, value, **attrs))
     rounds = rounds_of(trials, settings)
     stated = rounds.claims()
+    if not stated:  # no candidate read faster than the baseline in the search: no rounds
+        return Outcome(BASE, None, None, asked)
     leader = max(stated, key=lambda p: (stated[p].low > 1, stated[p].estimate))
     return Outcome(leader, stated[leader], rounds.speedups()[leader], asked)
+
+
+def _noisy(rng: random.Random, noise: float) -> float:
+    """A reading's factor: the machine's drift at its time times its own noise."""
+    return rng.lognormvariate(0, DRIFT) * rng.lognormvariate(0, noise)
 
 
 def _row(
     name: str, rule: str, noise: float, results: list[Outcome], speeds: dict[LoaderParams, float]
 ) -> str:
-    def summary(claim: Callable[[Outcome], PairedSpeedup]) -> str:
-        errors = [claim(r).estimate / speeds[r.leader] for r in results]
-        covers = [claim(r).low <= speeds[r.leader] <= claim(r).high for r in results]
+    def summary(claim: Callable[[Outcome], PairedSpeedup | None]) -> str:
+        # The studies that ran rounds (the others found no candidate in the search).
+        claims = [(c, speeds[r.leader]) for r in results if (c := claim(r)) is not None]
+        if not claims:
+            return "- | -"
+        errors = [c.estimate / true for c, true in claims]
+        covers = [c.low <= true <= c.high for c, true in claims]
         return (
             f"{statistics.median(errors):.3f} / {statistics.fmean(errors):.3f}"
             f" | {statistics.fmean(covers):.0%}"
         )
 
     best = max(speeds[A], speeds[B])
+    # What the choice costs: the leader's true speed over the best candidate's (the
+    # baseline's 1.0 where the search found nothing to confirm).
+    chosen = statistics.fmean(speeds[r.leader] / best for r in results)
     fastest = statistics.fmean(speeds[r.leader] == best for r in results)
-    faster = statistics.fmean(r.stated.low > 1.0 for r in results)
+    faster = statistics.fmean(r.stated is not None and r.stated.low > 1.0 for r in results)
     trials = statistics.fmean(r.trials for r in results)
     return (
         f"| {name} ({speeds[A]}x, {speeds[B]}x) | {noise:.0%} | {rule} "
         f"| {summary(lambda r: r.stated)} | {summary(lambda r: r.every)} "
-        f"| {faster:.0%} | {fastest:.0%} | {trials:.1f} |"
+        f"| {faster:.0%} | {fastest:.0%} | {chosen:.3f} | {trials:.1f} |"
     )
 
 
@@ -133,9 +153,9 @@ def main() -> None:
     print(
         "| case (true speedups) | reading noise | rule | stated / true: median / mean | covers "
         "| every round: median / mean | covers | verdict faster | leader truly fastest "
-        "| trials |"
+        "| leader / fastest (true) | trials |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (a, b) in CASES.items():
         speeds = {BASE: 1.0, A: a, B: b}
         for noise in NOISE:

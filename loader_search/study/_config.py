@@ -98,8 +98,10 @@ class StudyConfig:
     # Before recommending, confirm the fastest ``confirm_top`` candidates against the baseline
     # in paired rounds (0 turns it off; see loader_search.study._confirm): at least
     # ``confirm_min_rounds``, until the leader's 95% interval is within
-    # ``confirm_half_width`` of its estimate, at most ``confirm_max_rounds``.
-    confirm_top: int = 2
+    # ``confirm_half_width`` of its estimate, at most ``confirm_max_rounds``. One by default:
+    # a race of two (its round left out of the claim) cost 1-3 trials for no better choice
+    # at the noise of a CPU's readings (benchmarks/selection.py).
+    confirm_top: int = 1
     confirm_min_rounds: int = 3
     confirm_max_rounds: int = 15
     confirm_half_width: float = 0.05
