@@ -38,6 +38,7 @@ from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, measure, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
+from loader_search.study._events import NullReporter, TrialEvent
 from loader_search.study._keys import (
     MEASURED_SAMPLES,
     WINDOW_FAULTS,
@@ -132,6 +133,42 @@ def side_by_side(
     return result
 
 
+class ReferenceBesideRounds(NullReporter):
+    """A study's reporter that, after each of its confirmation trials, reads the same setting
+    with the reference loop at once (``--beside-rounds``): the plain loop's view of the
+    rounds' own time, so a claim's error splits into the study's moment and its runner."""
+
+    def __init__(
+        self, config_path: Path, config: StudyConfig, window: dict[str, int] | None
+    ) -> None:
+        self.config_path, self.config, self.window = config_path, config, window
+        # round -> setting -> (the trial's reading, the reference's right after it)
+        self.rounds: dict[int, dict[LoaderParams, tuple[float, float]]] = {}
+
+    def trial_finished(self, event: TrialEvent) -> None:
+        if not (event.confirmation and event.complete and event.params and event.throughput):
+            return
+        assert event.confirm_round is not None
+        value = reference.reading(
+            self.config_path,
+            event.params.as_dict(),
+            self.config.workload_options,
+            **(self.window or {}),
+        )
+        pair = (event.throughput, value["throughput"])
+        self.rounds.setdefault(event.confirm_round, {})[event.params] = pair
+
+    def speedups(self, baseline: LoaderParams, candidate: LoaderParams) -> dict[str, Any]:
+        """The candidate's speedup over the baseline in the rounds that read both, by the
+        trials and by the reference readings beside them."""
+        both = [r for r in self.rounds.values() if baseline in r and candidate in r]
+        found: dict[str, Any] = {"rounds": len(both)}
+        for index, method in enumerate(("runner", "reference")):
+            paired = paired_speedup([r[candidate][index] / r[baseline][index] for r in both])
+            found[method] = None if paired is None else paired.estimate
+        return found
+
+
 def confirmation_share(storage: str, name: str) -> dict[str, float]:
     """The confirmation rounds' share of the time the study's trials took."""
     study = optuna.load_study(study_name=name, storage=storage)
@@ -176,13 +213,15 @@ def one_study(
     rounds: int,
     folder: Path,
     window: dict[str, int] | None = None,
+    beside_rounds: bool = False,
 ) -> dict[str, Any]:
     config = replace(config, seed=seed, name=f"claims-{seed}")
     db = folder / f"claims-{seed}.db"
     db.unlink(missing_ok=True)
     started = time.perf_counter()
     storage = f"sqlite:///{db}"
-    summary = run_study(config, storage=storage, quiet=True)
+    beside = ReferenceBesideRounds(config_path, config, window) if beside_rounds else None
+    summary = run_study(config, storage=storage, quiet=True, reporter=beside)
     study_s = time.perf_counter() - started
     rec, base = summary.recommended, summary.baseline
     if rec is None or base is None:
@@ -204,6 +243,8 @@ def one_study(
     }
     if rec.point.params == base.params:  # nothing beat the baseline: no speedup to check
         return {**result, "side_by_side": None, "claim_error": None, "covered": None}
+    if beside is not None:
+        result["beside_rounds"] = beside.speedups(base.params, rec.point.params)
     started = time.perf_counter()
     # The runner's readings are forked from this process, the study's worker: its state is
     # what the confirmation trials' was.
@@ -266,6 +307,7 @@ def run(
     studies: int = 5,
     rounds: int = 12,
     workdir: Path | None = None,
+    beside_rounds: bool = False,
     log: Any = print,
 ) -> dict[str, Any]:
     config = load_config(config_path)
@@ -278,7 +320,7 @@ def run(
     folder.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in range(studies):
-        results.append(one_study(config_path, config, seed, rounds, folder, window))
+        results.append(one_study(config_path, config, seed, rounds, folder, window, beside_rounds))
         r = results[-1]
         truth = r["side_by_side"]["speedup"] if r["side_by_side"] else None
         log(

@@ -375,6 +375,7 @@ def claims_section(result: dict[str, Any]) -> str:
                 ),
                 "faults": _faults(r.get("faults_per_batch", {}).get("baseline")),
                 "after": _runner_after(measured),
+                "during": _beside_rounds(r.get("beside_rounds")),
             }
         )
     columns = [
@@ -395,6 +396,8 @@ def claims_section(result: dict[str, Any]) -> str:
         ("faults", "baseline's page faults per batch: study / reference", ""),
         ("after", "runner beside the reference: speedup (baseline / recommended over it)", ""),
     ]
+    if any(r.get("beside_rounds") for r in result["studies"]):
+        columns.append(("during", "during the rounds: runner / reference speedup", ""))
     summary = "No study recommended anything but its baseline."
     if result["checked"]:
         summary = (
@@ -435,6 +438,12 @@ def _runner_after(measured: dict[str, Any] | None) -> str:
         return "-"
     over = runner["over_reference"]
     return f"{runner['speedup']:.3f}x ({over['baseline']:.2f} / {over['recommended']:.2f})"
+
+
+def _beside_rounds(found: dict[str, Any] | None) -> str:
+    if not found or found["runner"] is None:
+        return "-"
+    return f"{found['runner']:.3f}x / {found['reference']:.3f}x ({found['rounds']} rounds)"
 
 
 def speedup_section(result: dict[str, Any]) -> str:
@@ -551,6 +560,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--studies", type=int, default=5, help="claims: independent studies")
     parser.add_argument(
         "--claim-rounds", type=int, default=12, help="claims: side-by-side paired rounds"
+    )
+    parser.add_argument(
+        "--beside-rounds",
+        action="store_true",
+        help="claims: also read each confirmation trial's setting with the reference loop"
+        " right after it, during the study (the rounds' own time, against the claim)",
     )
     parser.add_argument(
         "--agreement-rounds",
@@ -694,6 +709,7 @@ def main(argv: list[str] | None = None) -> None:
             studies=args.studies,
             rounds=args.claim_rounds,
             workdir=out,
+            beside_rounds=args.beside_rounds,
         )
         results["claims"] = result
         sections += ["## Claimed speedup against side by side", claims_section(result)]

@@ -35,7 +35,10 @@ def test_hypervolume_2d_of_a_hand_made_front() -> None:
 @pytest.mark.slow
 def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)],
+        [
+            *(sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)),
+            "--beside-rounds",  # claims: the reference read beside the study's own rounds
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -143,6 +146,12 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
         runner = measured["runner"]
         assert all(len(v) == 2 for v in runner["readings"].values())
         assert len(runner["ratios"]) == 2 and runner["speedup"] > 0
+        # And beside the study's own rounds: every round that read both settings, twice.
+        during = study["beside_rounds"]
+        assert during["rounds"] == study["confirmation_rounds"]
+        if during["rounds"] >= 2:
+            assert during["runner"] == pytest.approx(study["claim"])
+            assert during["reference"] > 0
         if study["claim_ci95"] is not None:
             low, high = study["claim_ci95"]
             assert study["covered"] == (low <= measured["speedup"] <= high)
