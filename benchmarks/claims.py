@@ -135,37 +135,79 @@ def side_by_side(
 
 class ReferenceBesideRounds(NullReporter):
     """A study's reporter that, after each of its confirmation trials, reads the same setting
-    with the reference loop at once (``--beside-rounds``): the plain loop's view of the
-    rounds' own time, so a claim's error splits into the study's moment and its runner."""
+    at once with the reference loop and with the service's runner outside the study's worker
+    (`benchmarks.ground_truth.measure` forked from the same process, the two in a shuffled
+    order; ``--beside-rounds``). The same moment seen three ways: a claim's error splits into
+    the study's moment, the runner, and the worker's path around its trials."""
 
     def __init__(
-        self, config_path: Path, config: StudyConfig, window: dict[str, int] | None
+        self,
+        config_path: Path,
+        config: StudyConfig,
+        window: dict[str, int] | None,
+        workload: Workload | None = None,
+        seed: int = 0,
     ) -> None:
         self.config_path, self.config, self.window = config_path, config, window
-        # round -> setting -> (the trial's reading, the reference's right after it)
-        self.rounds: dict[int, dict[LoaderParams, tuple[float, float]]] = {}
+        self.workload = workload
+        self.rng = random.Random(seed)
+        # round -> setting -> method -> reading ("trial": the study's own)
+        self.rounds: dict[int, dict[LoaderParams, dict[str, float]]] = {}
 
     def trial_finished(self, event: TrialEvent) -> None:
         if not (event.confirmation and event.complete and event.params and event.throughput):
             return
         assert event.confirm_round is not None
-        value = reference.reading(
-            self.config_path,
-            event.params.as_dict(),
-            self.config.workload_options,
-            **(self.window or {}),
-        )
-        pair = (event.throughput, value["throughput"])
-        self.rounds.setdefault(event.confirm_round, {})[event.params] = pair
+        found = {"trial": event.throughput}
+        methods = ["reference", "runner"] if self.workload is not None else ["reference"]
+        self.rng.shuffle(methods)
+        for method in methods:
+            if method == "runner":
+                assert self.workload is not None
+                row = measure(
+                    self.workload,
+                    self.config,
+                    event.params,
+                    ceiling=False,
+                    stop_early=True,
+                    lock=False,  # the study's worker holds it while it reports a trial
+                )
+                if "throughput" in row:
+                    found[method] = float(row["throughput"])
+                continue
+            value = reference.reading(
+                self.config_path,
+                event.params.as_dict(),
+                self.config.workload_options,
+                **(self.window or {}),
+            )
+            found[method] = value["throughput"]
+        self.rounds.setdefault(event.confirm_round, {})[event.params] = found
 
     def speedups(self, baseline: LoaderParams, candidate: LoaderParams) -> dict[str, Any]:
         """The candidate's speedup over the baseline in the rounds that read both, by the
-        trials and by the reference readings beside them."""
+        trials and by each reading beside them; with each setting's trial reading over the
+        others' (medians)."""
         both = [r for r in self.rounds.values() if baseline in r and candidate in r]
         found: dict[str, Any] = {"rounds": len(both)}
-        for index, method in enumerate(("runner", "reference")):
-            paired = paired_speedup([r[candidate][index] / r[baseline][index] for r in both])
+        for method in ("trial", "runner", "reference"):
+            pairs = [r for r in both if method in r[candidate] and method in r[baseline]]
+            paired = paired_speedup([r[candidate][method] / r[baseline][method] for r in pairs])
             found[method] = None if paired is None else paired.estimate
+        found["trial_over"] = {
+            name: {
+                method: statistics.median(
+                    r[params]["trial"] / r[params][method] for r in both if method in r[params]
+                )
+                for method in ("runner", "reference")
+                if any(method in r[params] for r in both)
+            }
+            for name, params in (("baseline", baseline), ("recommended", candidate))
+        }
+        found["readings"] = {
+            name: [r[params] for r in both]
+            for name, params in (("baseline", baseline), ("recommended", candidate))
+        }
         return found
 
 
@@ -220,7 +262,12 @@ def one_study(
     db.unlink(missing_ok=True)
     started = time.perf_counter()
     storage = f"sqlite:///{db}"
-    beside = ReferenceBesideRounds(config_path, config, window) if beside_rounds else None
+    # The runner's readings are forked from this process, the study's worker: its state is
+    # what the confirmation trials' was.
+    workload = load_workload(config.workload, config.workload_options)
+    beside = None
+    if beside_rounds:
+        beside = ReferenceBesideRounds(config_path, config, window, workload, seed)
     summary = run_study(config, storage=storage, quiet=True, reporter=beside)
     study_s = time.perf_counter() - started
     rec, base = summary.recommended, summary.baseline
@@ -246,9 +293,6 @@ def one_study(
     if beside is not None:
         result["beside_rounds"] = beside.speedups(base.params, rec.point.params)
     started = time.perf_counter()
-    # The runner's readings are forked from this process, the study's worker: its state is
-    # what the confirmation trials' was.
-    workload = load_workload(config.workload, config.workload_options)
     measured = side_by_side(
         config_path,
         config,

@@ -397,7 +397,7 @@ def claims_section(result: dict[str, Any]) -> str:
         ("after", "runner beside the reference: speedup (baseline / recommended over it)", ""),
     ]
     if any(r.get("beside_rounds") for r in result["studies"]):
-        columns.append(("during", "during the rounds: runner / reference speedup", ""))
+        columns.append(("during", "during the rounds: trials / runner / reference speedup", ""))
     summary = "No study recommended anything but its baseline."
     if result["checked"]:
         summary = (
@@ -441,9 +441,17 @@ def _runner_after(measured: dict[str, Any] | None) -> str:
 
 
 def _beside_rounds(found: dict[str, Any] | None) -> str:
-    if not found or found["runner"] is None:
+    """The rounds' speedup by the study's trials, by the runner beside them and by the
+    reference beside them (files before the runner was added name the trials "runner")."""
+    if not found:
         return "-"
-    return f"{found['runner']:.3f}x / {found['reference']:.3f}x ({found['rounds']} rounds)"
+    trials = found["trial"] if "trial" in found else found["runner"]
+    if trials is None:
+        return "-"
+    runner = found.get("runner") if "trial" in found else None
+    parts = [f"{trials:.3f}x", "-" if runner is None else f"{runner:.3f}x"]
+    parts.append(f"{found['reference']:.3f}x")
+    return " / ".join(parts) + f" ({found['rounds']} rounds)"
 
 
 def speedup_section(result: dict[str, Any]) -> str:
@@ -564,8 +572,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--beside-rounds",
         action="store_true",
-        help="claims: also read each confirmation trial's setting with the reference loop"
-        " right after it, during the study (the rounds' own time, against the claim)",
+        help="claims: also read each confirmation trial's setting with the service's runner"
+        " and the reference loop right after it, during the study (the rounds' own time,"
+        " against the claim)",
     )
     parser.add_argument(
         "--agreement-rounds",

@@ -16,6 +16,7 @@ the loader workers are the bottleneck, as on a GPU server.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import random
@@ -116,17 +117,19 @@ def measure(
     *,
     ceiling: bool,
     stop_early: bool = False,
+    lock: bool = True,
 ) -> dict[str, Any]:
     """One real trial with the study's own code path; its numbers as a flat dict. With
     ``stop_early`` it stops at the early-stop mark, as a study's shortened trial does: the
-    throughput is the same window's, and there is no validation loss."""
+    throughput is the same window's, and there is no validation loss. It holds this machine's
+    host lock unless ``lock`` is False (the caller holds it: a study's reporter)."""
     train_size = len(workload.train_dataset)  # type: ignore[arg-type]
     plan = RunPlan(
         short_samples=short_run_samples(params, config.training, train_size),
         stop_early=stop_early,
         measure_ceiling=ceiling,
     )
-    with host_lock():
+    with host_lock() if lock else contextlib.nullcontext():
         outcome = run_isolated(
             TrialJob(workload, params, config.training, "cpu", plan=plan), limits=config.limits
         )

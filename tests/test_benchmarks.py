@@ -37,7 +37,7 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             *(sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)),
-            "--beside-rounds",  # claims: the reference read beside the study's own rounds
+            "--beside-rounds",  # claims: the runner and the reference beside the study's own rounds
         ],
         cwd=ROOT,
         capture_output=True,
@@ -146,12 +146,15 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
         runner = measured["runner"]
         assert all(len(v) == 2 for v in runner["readings"].values())
         assert len(runner["ratios"]) == 2 and runner["speedup"] > 0
-        # And beside the study's own rounds: every round that read both settings, twice.
+        # And beside the study's own rounds: every round that read both settings, each
+        # trial followed by the runner and the reference.
         during = study["beside_rounds"]
         assert during["rounds"] == study["confirmation_rounds"]
         if during["rounds"] >= 2:
-            assert during["runner"] == pytest.approx(study["claim"])
-            assert during["reference"] > 0
+            assert during["trial"] == pytest.approx(study["claim"])
+            assert during["runner"] > 0 and during["reference"] > 0
+            for readings in during["readings"].values():
+                assert all(set(r) == {"trial", "runner", "reference"} for r in readings)
         if study["claim_ci95"] is not None:
             low, high = study["claim_ci95"]
             assert study["covered"] == (low <= measured["speedup"] <= high)
