@@ -4,6 +4,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -72,6 +73,22 @@ def test_peak_rss_includes_child_processes() -> None:
         child = subprocess.Popen([sys.executable, "-c", code])
         child.wait(timeout=30)
     assert with_child.peak_bytes - alone.peak_bytes > 250 * 2**20
+
+
+def test_peak_rss_without_children_runs_no_thread_and_sees_a_spike_between_samples() -> None:
+    # The kernel's high-water mark, reset at the start: a spike that ends long before any
+    # sample would come (interval 1 h) is counted, and no thread wakes beside the training.
+    with PeakRSS(interval_s=3600, children=False) as alone:
+        pass
+    with PeakRSS(interval_s=3600, children=False) as spike:
+        assert not any(t.name == "peak-rss" for t in threading.enumerate())
+        block = b"\x01" * (300 * 2**20)  # written: resident
+        del block
+    assert spike.peak_bytes - alone.peak_bytes > 250 * 2**20
+    # Each block's own peak, not the process's since it started.
+    with PeakRSS(interval_s=3600, children=False) as after:
+        pass
+    assert after.peak_bytes < spike.peak_bytes - 250 * 2**20
 
 
 def test_the_tree_reading_from_proc_agrees_with_psutil() -> None:

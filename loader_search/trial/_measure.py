@@ -202,23 +202,28 @@ def minor_faults() -> int | None:
 
 
 class PeakRSS:
-    """Samples the resident memory of this process plus all its children (loader workers).
+    """The peak resident memory of this process plus all its children (loader workers).
 
-    A background thread polls every ``interval_s``; the peak is the largest sum seen. Pages a
-    forked worker shares with its parent count once per process, as the kernel's RSS does, so
-    this is an upper bound on physical memory use.
+    This process's own peak is the kernel's high-water mark (``VmHWM``, reset when the block
+    starts where the kernel allows it): exact, and free. Loader worker processes
+    (``children``) are sampled by a background thread every ``interval_s``; the peak is then
+    the largest sum seen (at least this process's own peak). Pages a forked worker shares with
+    its parent count once per process, as the kernel's RSS does, so this is an upper bound on
+    physical memory use.
 
-    The thread runs beside the training loop and holds the GIL while it reads, so a sample must
-    be cheap: on Linux it reads the process tree from ``/proc/PID/task/TID/children`` and each
-    process's ``statm`` (~90 us for a trial and its workers here). ``psutil``'s
-    ``children()`` scans every process of the machine instead (~3.5 ms here: 7% of a core at
-    this interval, GIL held, taken from the training thread of a ``num_workers=0`` trial,
-    where loading and training share it; see benchmarks/RESULTS.md, issue 27); it remains the
-    fallback where ``/proc`` lacks the children files.
+    Without children no thread runs: nothing wakes beside a training step that loads its own
+    samples (``python -m benchmarks.sampling_thread`` measures what the thread cost such a
+    trial: nothing measurable on a 2-core CPU, 0.997x with a 95% interval of +-4.5%). The
+    thread's sample must be cheap: on Linux it reads the process tree from
+    ``/proc/PID/task/TID/children`` and each process's ``statm`` (~90 us for a trial and its
+    workers here). ``psutil``'s ``children()`` scans every process of the
+    machine instead (~3.5 ms here); it remains the fallback where ``/proc`` lacks the children
+    files.
     """
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self, interval_s: float = 0.05, *, children: bool = True) -> None:
         self._interval = interval_s
+        self._children = children
         self._peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
@@ -226,14 +231,18 @@ class PeakRSS:
         self._process = psutil.Process()
 
     def __enter__(self) -> PeakRSS:
+        reset_high_water_mark()
         self._sample()
-        self._thread.start()
+        if self._children:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        if self._children:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+        self._peak = max(self._peak, high_water_mark_bytes() or 0)
 
     @property
     def peak_bytes(self) -> int:
@@ -244,7 +253,7 @@ class PeakRSS:
             self._sample()
 
     def _sample(self) -> None:
-        total = tree_rss_bytes(self._pid)
+        total = tree_rss_bytes(self._pid) if self._children else None
         if total is None:
             total = self._psutil_rss()
         if total is not None:
@@ -253,7 +262,7 @@ class PeakRSS:
     def _psutil_rss(self) -> int | None:
         try:
             total = self._process.memory_info().rss
-            for child in self._process.children(recursive=True):
+            for child in self._process.children(recursive=True) if self._children else ():
                 try:
                     total += child.memory_info().rss
                 except psutil.Error:  # a worker that exited between listing and reading
@@ -261,6 +270,30 @@ class PeakRSS:
         except psutil.Error:
             return None
         return int(total)
+
+
+def reset_high_water_mark() -> bool:
+    """Reset this process's peak resident memory (``VmHWM``) to its current one (Linux 4.0+:
+    ``/proc/self/clear_refs``). False where it cannot: the mark then counts from the process's
+    start (for a forked trial, its resident memory at the fork)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def high_water_mark_bytes() -> int | None:
+    """This process's peak resident memory (the kernel's ``VmHWM``), None where unknown."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
