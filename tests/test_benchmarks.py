@@ -37,7 +37,7 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             *(sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)),
-            "--beside-rounds",  # claims: the runner and the reference beside the study's own rounds
+            "--beside-rounds",  # claims: the runner and the loop beside the study's rounds
         ],
         cwd=ROOT,
         capture_output=True,
