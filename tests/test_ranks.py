@@ -47,6 +47,11 @@ def test_a_two_rank_trial_measures_the_node_and_keeps_each_ranks_figures(workers
     per_rank = result.per_rank
     assert len(per_rank["throughput_samples_per_s"]) == 2
     assert len(per_rank["peak_host_rss_bytes"]) == 2
+    # The node's memory is rank 0's process tree, which holds rank 1 (its loader workers or
+    # none): about twice rank 1's alone (measured: 529 and 1,027 MiB against 264 and 513),
+    # where rank 0's own process would read about as much as rank 1's.
+    assert result.peak_host_rss_bytes == per_rank["peak_host_rss_bytes"][0]
+    assert result.peak_host_rss_bytes > 1.5 * per_rank["peak_host_rss_bytes"][1]
     # The node's throughput: every rank's samples over the slowest window.
     rates, times = per_rank["throughput_samples_per_s"], per_rank["measured_time_s"]
     counted = sum(r * t for r, t in zip(rates, times, strict=True))

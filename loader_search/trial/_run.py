@@ -325,8 +325,11 @@ def _train_and_measure(run: _Run, budget_samples: int, steps: int) -> _Measured:
         # This process loads its own samples: their pages are made its own first, as a
         # fresh training script's are (the trial is forked; see trial._pages).
         own_pages(workload.train_dataset)
-    # Loader worker processes are sampled by a thread; without them, none runs beside the step.
-    with PeakRSS(children=params.num_workers > 0 and params.backend == "process") as rss:
+    # Child processes (loader workers; rank 0's sibling ranks, which its tree holds) are
+    # sampled by a thread; without them, none runs beside the step.
+    workers = params.num_workers > 0 and params.backend == "process"
+    siblings = run.rank is not None and run.rank.is_main and run.rank.world > 1
+    with PeakRSS(children=workers or siblings) as rss:
         train_start = time.perf_counter()
         loader = _train_loader(run)
         meter = StepMeter(
