@@ -241,7 +241,7 @@ class PeakRSS:
         if self._children:
             self._stop.set()
             self._thread.join()
-            self._sample()
+        self._sample()
         self._peak = max(self._peak, high_water_mark_bytes() or 0)
 
     @property
@@ -253,7 +253,7 @@ class PeakRSS:
             self._sample()
 
     def _sample(self) -> None:
-        total = tree_rss_bytes(self._pid) if self._children else None
+        total = tree_rss_bytes(self._pid)
         if total is None:
             total = self._psutil_rss()
         if total is not None:
@@ -262,7 +262,7 @@ class PeakRSS:
     def _psutil_rss(self) -> int | None:
         try:
             total = self._process.memory_info().rss
-            for child in self._process.children(recursive=True) if self._children else ():
+            for child in self._process.children(recursive=True):
                 try:
                     total += child.memory_info().rss
                 except psutil.Error:  # a worker that exited between listing and reading
