@@ -110,6 +110,24 @@ def quick_config(config: StudyConfig) -> StudyConfig:
     )
 
 
+def trial_plan(
+    workload: Workload,
+    config: StudyConfig,
+    params: LoaderParams,
+    *,
+    ceiling: bool,
+    stop_early: bool = False,
+) -> RunPlan:
+    """A study's plan for a trial of ``params``: its shortened run's samples (the early-stop
+    mark), stopping there with ``stop_early``, reading the ceiling with ``ceiling``."""
+    train_size = len(workload.train_dataset)  # type: ignore[arg-type]
+    return RunPlan(
+        short_samples=short_run_samples(params, config.training, train_size),
+        stop_early=stop_early,
+        measure_ceiling=ceiling,
+    )
+
+
 def measure(
     workload: Workload,
     config: StudyConfig,
@@ -123,12 +141,7 @@ def measure(
     ``stop_early`` it stops at the early-stop mark, as a study's shortened trial does: the
     throughput is the same window's, and there is no validation loss. It holds this machine's
     host lock unless ``lock`` is False (the caller holds it: a study's reporter)."""
-    train_size = len(workload.train_dataset)  # type: ignore[arg-type]
-    plan = RunPlan(
-        short_samples=short_run_samples(params, config.training, train_size),
-        stop_early=stop_early,
-        measure_ceiling=ceiling,
-    )
+    plan = trial_plan(workload, config, params, ceiling=ceiling, stop_early=stop_early)
     with host_lock() if lock else contextlib.nullcontext():
         outcome = run_isolated(
             TrialJob(workload, params, config.training, "cpu", plan=plan), limits=config.limits

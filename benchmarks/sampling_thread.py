@@ -35,11 +35,11 @@ TIMEOUT_S = 300
 
 def one_reading(way: str) -> float:
     """One trial of the quickstart's baseline in this process (see the module docstring)."""
-    from benchmarks.ground_truth import QUICKSTART
-    from loader_search.params import LoaderParams, RunPlan
+    from benchmarks.ground_truth import QUICKSTART, trial_plan
+    from loader_search.params import LoaderParams
     from loader_search.study._config import load_config
     from loader_search.trial import _run
-    from loader_search.trial._run import run_trial, short_run_samples
+    from loader_search.trial._run import run_trial
     from loader_search.workloads import load_workload
 
     if way == "thread":
@@ -47,12 +47,7 @@ def one_reading(way: str) -> float:
     config = load_config(QUICKSTART)
     workload = load_workload(config.workload, config.workload_options)
     params = LoaderParams(64, 0, torch_threads=2)
-    train_size = len(workload.train_dataset)  # type: ignore[arg-type]
-    plan = RunPlan(
-        short_samples=short_run_samples(params, config.training, train_size),
-        stop_early=True,
-        measure_ceiling=False,
-    )
+    plan = trial_plan(workload, config, params, ceiling=False, stop_early=True)
     result = run_trial(workload, params, config.training, "cpu", plan=plan)
     return result.throughput_samples_per_s
 

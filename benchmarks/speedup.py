@@ -23,14 +23,13 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from benchmarks.ground_truth import QUICKSTART, quick_config, shuffled_rounds
-from loader_search.params import LoaderParams, RunPlan
+from benchmarks.ground_truth import QUICKSTART, quick_config, shuffled_rounds, trial_plan
+from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._keys import CONFIRMATION_ATTR, VAL_LOSS_FROM
 from loader_search.study._session import run_study
 from loader_search.team._locks import host_lock
 from loader_search.trial._job import TrialJob
-from loader_search.trial._run import short_run_samples
 from loader_search.trial._supervisor import run_isolated
 from loader_search.trial._system import resolve_device, usable_cpus
 from loader_search.workloads import load_workload
@@ -70,17 +69,13 @@ def side_by_side(
 ) -> dict[str, dict[str, Any]]:
     """Full trials of each contender, ``rounds`` times in shuffled order; medians."""
     workload = load_workload(config.workload, config.workload_options)
-    train_size = len(workload.train_dataset)  # type: ignore[arg-type]
     # Contenders with the same settings (the recommendation may be the baseline) share
     # their measurements: the same settings measured twice would differ by noise alone.
     distinct = list(dict.fromkeys(contenders.values()))
     readings: dict[LoaderParams, list[tuple[float, float]]] = {p: [] for p in distinct}
     for _, params in shuffled_rounds(distinct, rounds, seed):
         with host_lock():
-            plan = RunPlan(
-                short_samples=short_run_samples(params, config.training, train_size),
-                measure_ceiling=True,
-            )
+            plan = trial_plan(workload, config, params, ceiling=True)
             outcome = run_isolated(
                 TrialJob(workload, params, config.training, device, plan=plan),
                 limits=config.limits,
