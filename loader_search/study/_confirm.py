@@ -9,8 +9,8 @@ machine, or a neighbour's load, hits every setting of a round alike. A candidate
 estimated from its per-round ratios against the baseline: the geometric mean, with a 95%
 Student-t interval on the log ratios (the paired t-interval: the rounds are the pairs, and a
 ratio of throughputs is closer to log-normal than to normal; `loader_search.study._paired`
-holds the statistics, and how blocks of rounds widen the interval when the machine's state
-moves).
+holds the statistics: how blocks of rounds widen the interval when the machine's state
+moves, and how it counts the rounds' moment against a long run).
 
 **A race, then the leader alone.** The first `RACE_ROUNDS` rounds measure the baseline and
 every candidate; the race's leader is the candidate with the highest geometric-mean ratio to

@@ -15,8 +15,20 @@ noise (Cochran's Q above its chi-square 0.95 quantile) the blocks, not the round
 independent units (Student's t with blocks - 1 degrees of freedom), the speedup carries
 ``blocks_disagree``, the rounds go on (more blocks, `loader_search.study._confirm`), and
 every view says so.
-What it covers: the changes of state the rounds saw. What it cannot cover: a state they never
-saw (a rerun on a machine quieter or busier than it was during the whole study).
+
+**A later run.** The rounds take a minute or two; the training a user runs with the
+recommendation takes hours, and the machine's state during the rounds as a whole (the
+neighbours' load, the host's frequency, which regime the allocator settled in) is one draw of
+the states that training will meet. The interval is for the speedup over that long run, so
+it adds the variance of that draw, ``RERUN_NOISE`` times one round's standard deviation,
+squared, to the variance of the rounds' mean: more rounds narrow the part that is the rounds'
+noise, never this one. ``RERUN_NOISE`` was measured (``python -m benchmarks claims``: 38 studies
+on two hosts, each followed minutes later by a plain training loop in a fresh process, the
+claim's error beyond the noise of both, its mean taken out; benchmarks/RESULTS.md). On a
+machine whose rounds agree within 1%, the term is a fraction of 1%.
+What it does not cover: a systematic difference between a trial and the user's own loop (the
+benchmarks' claims read a mean 5-7% high against a plain loop; docs/how-it-works.md, "Known
+bias"), and a machine far quieter or busier than it was during the whole study.
 
 Pure functions of the ratios; `loader_search.study._confirm` runs the rounds.
 """
@@ -47,6 +59,9 @@ _CHI2_95 = {
     9: 16.919, 10: 18.307,
 }  # fmt: skip
 BLOCK_ROUNDS = 2  # consecutive rounds per block (see the module docstring)
+# The standard deviation of the rounds' moment against a long run, as a fraction of one
+# round's (see the module docstring, "A later run"): 0.34 measured, rounded up.
+RERUN_NOISE = 0.35
 
 
 def t_975(degrees: int) -> float:
@@ -122,8 +137,15 @@ class _LogSpread:
 
     @property
     def margin(self) -> float:
-        """Half the 95% interval of the mean (of the log ratios)."""
-        return t_975(self.degrees) * math.sqrt(self.variance)
+        """Half the 95% interval of the speedup over a long run (of the log ratios): the
+        rounds' mean, its variance and the variance of the rounds' moment against that run."""
+        return t_975(self.degrees) * math.sqrt(self.variance + rerun_variance(self.round_sd))
+
+
+def rerun_variance(round_sd: float) -> float:
+    """The variance of the rounds' moment against a long run, for rounds whose log ratios
+    have the standard deviation ``round_sd`` (see the module docstring, "A later run")."""
+    return (RERUN_NOISE * round_sd) ** 2
 
 
 def _log_spread(ratios: Sequence[float]) -> _LogSpread:
@@ -146,9 +168,11 @@ def _log_spread(ratios: Sequence[float]) -> _LogSpread:
 def chance_of_gain(ratios: Sequence[float], more: int) -> float:
     """How likely ``more`` further rounds like ``ratios`` (per-round ratios, at least 2) are
     to end with a 95% interval above 1: the predictive probability, with the log ratios
-    normal around a true mean known only as well as the rounds so far tell it (the variance
-    `paired_speedup`'s interval has, blocks included), each new round as noisy as theirs.
-    With no round left: 1.0 when the interval is above 1 already, else 0.0."""
+    normal around the rounds' true mean, known only as well as the rounds so far tell it (the
+    variance of their mean, blocks included; the rounds to come share their moment, so the
+    rerun term is not part of it), each new round as noisy as theirs. The interval at the end
+    is `paired_speedup`'s, rerun term included. With no round left: 1.0 when the interval is
+    above 1 already, else 0.0."""
     if len(ratios) < 2:
         raise ValueError(f"a chance of gain needs at least 2 rounds, got {len(ratios)}")
     now = _log_spread(ratios)
@@ -161,7 +185,7 @@ def chance_of_gain(ratios: Sequence[float], more: int) -> float:
     # exceeds its margin (the blocks taken to agree by then): the rounds to come must then
     # average at least `needed`.
     n, total = len(ratios), len(ratios) + more
-    margin = t_975(total - 1) * noise / math.sqrt(total)
+    margin = t_975(total - 1) * math.sqrt(noise**2 / total + rerun_variance(noise))
     needed = (total * margin - n * now.mean) / more
     scale = math.sqrt(noise**2 / more + now.variance)
     return 0.5 * math.erfc((needed - now.mean) / scale / math.sqrt(2))
