@@ -2,35 +2,51 @@
 
 A study's figures are readings of its own trial runner (`loader_search.trial`: a forked
 child, meters, the early-stop window). `benchmarks.reference` is a textbook loop in a fresh
-process that shares no code with it. Each round measures every setting with both, in a
+process that shares no code with it. Each round measures every setting three ways, in a
 shuffled order of its own (so a slow spell of the machine hits one reading of a round, not
-one method), the runner as a study's confirmation trial runs (shortened at the early-stop
-mark, no ceiling), the reference over its median window.
+one method):
+
+- ``runner``: a study's confirmation trial (shortened at the early-stop mark, no ceiling),
+  forked from this process, as a study's worker forks it; with ``after_study`` this process
+  first runs a study of the config, so that the trial forks from a worker's state;
+- ``fresh``: the same trial, the same code and plan, run by a fresh Python process itself
+  (``python -m benchmarks.agreement --one``: imports, the workload built, no fork), as a
+  user's script runs its training;
+- ``reference``: the plain loop, over its median window.
 
 Figures: per setting and method, the median and spread of the readings; per setting, the
-runner's reading over the reference's (the median of the per-round ratios); per method, each
-setting's speedup over the first (the baseline), from the per-round ratios as the study's
-confirmation computes it. A runner that reads one setting low and another right shows here
-as a speedup the reference does not see.
+runner's and the fresh process's readings over the reference's (the medians of the
+per-round ratios); per method, each setting's speedup over the first (the baseline), from the
+per-round ratios as the study's confirmation computes it. A runner that reads one setting low
+and another right shows here as a speedup the reference does not see; a runner that differs
+from the fresh process shows what forking from the worker does to a reading (issue 27's
+claims read a mean 7% high against the loop).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks import reference
-from benchmarks.ground_truth import QUICKSTART, measure, quick_config
+from benchmarks.ground_truth import QUICKSTART, measure, quick_config, trial_plan
 from loader_search.params import LoaderParams
-from loader_search.study._config import load_config
+from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._paired import paired_speedup
 from loader_search.workloads import load_workload
 
-METHODS = ("runner", "reference")
+METHODS = ("runner", "fresh", "reference")
+TIMEOUT_S = 300  # one fresh reading
 # The quickstart's baseline and what its studies recommend on a 2-core CPU (one persistent
 # worker, prefetch 6, one torch thread: the issue 27 studies' answer).
 QUICKSTART_SETTINGS = {
@@ -45,6 +61,7 @@ def run(
     settings: dict[str, LoaderParams] | None = None,
     rounds: int = 10,
     quick: bool = False,
+    after_study: bool = False,
     seed: int = 0,
     log: Any = print,
 ) -> dict[str, Any]:
@@ -61,6 +78,8 @@ def run(
         config = quick_config(config)
         rounds, window = 2, dict(reference.QUICK_WINDOW)
         settings = {name: replace(p, batch_size=32) for name, p in settings.items()}
+    if after_study:
+        _become_a_worker(config, seed, log)
     workload = load_workload(config.workload, config.workload_options)
     rng = random.Random(seed)
     readings: dict[str, dict[str, list[float]]] = {m: {n: [] for n in settings} for m in METHODS}
@@ -74,6 +93,8 @@ def run(
                 if "throughput" not in row:
                     raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
                 value = float(row["throughput"])
+            elif method == "fresh":
+                value = fresh_reading(config_path, params, quick=quick)
             else:
                 value = float(
                     reference.reading(
@@ -85,7 +106,61 @@ def run(
     return {
         **summarise(readings, {n: p.describe() for n, p in settings.items()}),
         "reference_window": window,
+        "after_study": after_study,
     }
+
+
+def _become_a_worker(config: StudyConfig, seed: int, log: Any) -> None:
+    """Run a study of ``config`` in this process (a temporary SQLite file), as a worker does
+    before its confirmation trials: the runner's trials then fork from that state."""
+    from loader_search.study._session import run_study
+
+    with tempfile.TemporaryDirectory(prefix="agreement-") as folder:
+        storage = f"sqlite:///{Path(folder) / 'agreement.db'}"
+        summary = run_study(
+            replace(config, seed=seed, name="agreement"), storage=storage, quiet=True
+        )
+    log(f"ran a study of {summary.n_complete} trials in this process first")
+
+
+def fresh_reading(config_path: Path, params: LoaderParams, *, quick: bool) -> float:
+    """One reading of ``params`` as the runner's trial, run by a fresh Python process itself
+    (see the module docstring); raises on its failure."""
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.agreement",
+        "--one",
+        str(config_path),
+        json.dumps(params.as_dict()),
+        *(["--quick"] if quick else []),
+    ]
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"a fresh reading of {params.describe()} failed: {done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def one_fresh_reading(config_path: Path, params: LoaderParams, *, quick: bool) -> float:
+    """The trial of `fresh_reading`, in this process."""
+    from loader_search.trial._run import run_trial
+
+    config = load_config(config_path)
+    if quick:
+        config = quick_config(config)
+    workload = load_workload(config.workload, config.workload_options)
+    plan = trial_plan(workload, config, params, ceiling=False, stop_early=True)
+    result = run_trial(workload, params, config.training, "cpu", plan=plan)
+    return result.throughput_samples_per_s
 
 
 def summarise(
@@ -96,16 +171,20 @@ def summarise(
     baseline = names[0]
     per_setting = []
     for name in names:
-        runner, ref = readings["runner"][name], readings["reference"][name]
+        ref = readings["reference"][name]
         per_setting.append(
             {
                 "setting": name,
                 "params": described[name],
                 **{f"{m}_median": statistics.median(readings[m][name]) for m in METHODS},
                 **{f"{m}_spread": _spread(readings[m][name]) for m in METHODS},
-                "runner_over_reference": statistics.median(
-                    a / b for a, b in zip(runner, ref, strict=True)
-                ),
+                **{
+                    f"{m}_over_reference": statistics.median(
+                        a / b for a, b in zip(readings[m][name], ref, strict=True)
+                    )
+                    for m in METHODS
+                    if m != "reference"
+                },
             }
         )
     speedups = []
@@ -137,31 +216,54 @@ def _spread(values: Sequence[float]) -> float:
 def section(result: dict[str, Any]) -> str:
     """The Markdown report."""
     window = result["reference_window"]
+    parent = "a process that ran a study first" if result.get("after_study") else "this process"
     lines = [
         f"{result['rounds']} rounds; each round every setting once with each method, in a"
-        " shuffled order. Runner: a study's confirmation trial (forked child, shortened at the"
-        " early-stop mark). Reference: `benchmarks/reference.py`, a plain loop in a fresh"
+        " shuffled order. Runner: a study's confirmation trial (shortened at the early-stop"
+        f" mark) forked from {parent}. Fresh: the same trial run by a fresh Python process"
+        " itself (no fork). Reference: `benchmarks/reference.py`, a plain loop in a fresh"
         f" process ({window['warmup']} warm-up batches, median of {window['windows']}"
         f" {window['window_batches']}-batch windows).",
         "",
-        "| setting | runner median | spread | reference median | spread | runner / reference |",
-        "|---|---|---|---|---|---|",
+        "| setting | runner median | spread | fresh median | spread | reference median | spread"
+        " | runner / reference | fresh / reference |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["settings"]:
         lines.append(
-            f"| {row['setting']} (`{row['params']}`) | {row['runner_median']:,.0f}"
-            f" | {row['runner_spread']:.0%} | {row['reference_median']:,.0f}"
-            f" | {row['reference_spread']:.0%} | {row['runner_over_reference']:.3f} |"
+            f"| {row['setting']} (`{row['params']}`)"
+            + "".join(f" | {row[f'{m}_median']:,.0f} | {row[f'{m}_spread']:.0%}" for m in METHODS)
+            + f" | {row['runner_over_reference']:.3f} | {row['fresh_over_reference']:.3f} |"
         )
-    lines += ["", "| setting | speedup, runner | its 95% CI | speedup, reference | its 95% CI |"]
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        "| setting | " + " | ".join(f"speedup, {m} | its 95% CI" for m in METHODS) + " |",
+    ]
+    lines.append("|---" * (1 + 2 * len(METHODS)) + "|")
     for row in result["speedups"]:
-        cis = [
-            "-" if row[f"{m}_ci95"] is None else "{:.3f}-{:.3f}".format(*row[f"{m}_ci95"])
+        cells = [
+            f"{row[m]:.3f}x | "
+            + ("-" if row[f"{m}_ci95"] is None else "{:.3f}-{:.3f}".format(*row[f"{m}_ci95"]))
             for m in METHODS
         ]
-        lines.append(
-            f"| {row['setting']} | {row['runner']:.3f}x | {cis[0]}"
-            f" | {row['reference']:.3f}x | {cis[1]} |"
-        )
+        lines.append(f"| {row['setting']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def main() -> None:
+    """``--one CONFIG PARAMS [--quick]``: one fresh reading, printed (what `fresh_reading`
+    runs). The benchmark itself runs from ``python -m benchmarks agreement``."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--one", nargs=2, metavar=("CONFIG", "PARAMS"), required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    config_path, params = args.one
+    print(
+        one_fresh_reading(
+            Path(config_path), LoaderParams.from_dict(json.loads(params)), quick=args.quick
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

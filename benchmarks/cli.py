@@ -580,7 +580,14 @@ def main(argv: list[str] | None = None) -> None:
         "--agreement-rounds",
         type=int,
         default=10,
-        help="agreement: interleaved rounds of the runner and the reference loop",
+        help="agreement: interleaved rounds of the runner, the fresh process and the reference"
+        " loop",
+    )
+    parser.add_argument(
+        "--agreement-after-study",
+        action="store_true",
+        help="agreement: run a study in this process first, so that the runner's trials fork"
+        " from a worker's state",
     )
     parser.add_argument(
         "--variants",
@@ -724,7 +731,10 @@ def main(argv: list[str] | None = None) -> None:
         sections += ["## Claimed speedup against side by side", claims_section(result)]
     if args.command in ("agreement", "all"):
         result = agreement.run(
-            config_path=args.config, quick=args.quick, rounds=args.agreement_rounds
+            config_path=args.config,
+            quick=args.quick,
+            rounds=args.agreement_rounds,
+            after_study=args.agreement_after_study,
         )
         results["agreement"] = result
         sections += ["## The trial runner against a plain loop", agreement.section(result)]
