@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import reference
-from benchmarks.ground_truth import QUICKSTART, measure, quick_config, trial_plan
+from benchmarks.ground_truth import QUICKSTART, measure, measure_in_process, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._paired import paired_speedup
@@ -150,19 +150,6 @@ def fresh_reading(config_path: Path, params: LoaderParams, *, quick: bool) -> fl
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def one_fresh_reading(config_path: Path, params: LoaderParams, *, quick: bool) -> float:
-    """The trial of `fresh_reading`, in this process."""
-    from loader_search.trial._run import run_trial
-
-    config = load_config(config_path)
-    if quick:
-        config = quick_config(config)
-    workload = load_workload(config.workload, config.workload_options)
-    plan = trial_plan(workload, config, params, ceiling=False, stop_early=True)
-    result = run_trial(workload, params, config.training, "cpu", plan=plan)
-    return result.throughput_samples_per_s
-
-
 def summarise(
     readings: dict[str, dict[str, list[float]]], described: dict[str, str]
 ) -> dict[str, Any]:
@@ -251,15 +238,16 @@ def section(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    """``--one CONFIG PARAMS [--quick]``: one fresh reading, printed (what `fresh_reading`
-    runs). The benchmark itself runs from ``python -m benchmarks agreement``."""
+    """``--one CONFIG PARAMS [--quick]``: one reading in this process, printed (what
+    `fresh_reading` runs in a fresh one). The benchmark itself runs from ``python -m
+    benchmarks agreement``."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--one", nargs=2, metavar=("CONFIG", "PARAMS"), required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     config_path, params = args.one
     print(
-        one_fresh_reading(
+        measure_in_process(
             Path(config_path), LoaderParams.from_dict(json.loads(params)), quick=args.quick
         )
     )

@@ -128,6 +128,21 @@ def trial_plan(
     )
 
 
+def measure_in_process(config_path: Path, params: LoaderParams, *, quick: bool = False) -> float:
+    """The throughput of ``params`` as `measure` reads it with ``stop_early`` and no ceiling
+    (a confirmation trial), but run by this process itself, not forked: in a fresh process,
+    the trial as a user's script trains (``quick``: the config shrunk by `quick_config`)."""
+    from loader_search.trial._run import run_trial
+
+    config = load_config(config_path)
+    if quick:
+        config = quick_config(config)
+    workload = load_workload(config.workload, config.workload_options)
+    plan = trial_plan(workload, config, params, ceiling=False, stop_early=True)
+    result = run_trial(workload, params, config.training, "cpu", plan=plan)
+    return result.throughput_samples_per_s
+
+
 def measure(
     workload: Workload,
     config: StudyConfig,

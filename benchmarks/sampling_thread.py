@@ -35,21 +35,13 @@ TIMEOUT_S = 300
 
 def one_reading(way: str) -> float:
     """One trial of the quickstart's baseline in this process (see the module docstring)."""
-    from benchmarks.ground_truth import QUICKSTART, trial_plan
+    from benchmarks.ground_truth import QUICKSTART, measure_in_process
     from loader_search.params import LoaderParams
-    from loader_search.study._config import load_config
     from loader_search.trial import _run
-    from loader_search.trial._run import run_trial
-    from loader_search.workloads import load_workload
 
     if way == "thread":
         _run.PeakRSS = functools.partial(_run.PeakRSS, children=True)  # type: ignore[attr-defined,misc,assignment]
-    config = load_config(QUICKSTART)
-    workload = load_workload(config.workload, config.workload_options)
-    params = LoaderParams(64, 0, torch_threads=2)
-    plan = trial_plan(workload, config, params, ceiling=False, stop_early=True)
-    result = run_trial(workload, params, config.training, "cpu", plan=plan)
-    return result.throughput_samples_per_s
+    return measure_in_process(QUICKSTART, LoaderParams(64, 0, torch_threads=2))
 
 
 def run(rounds: int, seed: int = 0) -> dict[str, Any]:
