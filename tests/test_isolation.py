@@ -39,9 +39,15 @@ from loader_search.trial._failures import (
     classify_exception,
     classify_exit,
 )
-from loader_search.trial._job import TrialJob
+from loader_search.trial._job import TrialJob, WorkloadRecipe
 from loader_search.trial._run import run_trial
-from loader_search.trial._supervisor import NO_LIMITS, _run_in_process, can_isolate, run_isolated
+from loader_search.trial._supervisor import (
+    NO_LIMITS,
+    FreshHost,
+    _run_in_process,
+    can_isolate,
+    run_isolated,
+)
 from loader_search.workloads import Workload
 from tests import _faults
 from tests.conftest import ROOT
@@ -232,6 +238,107 @@ def test_the_parent_carries_on_after_failures(tiny_workload: Workload) -> None:
     assert outcome.result is not None and math.isfinite(outcome.result.val_loss)
 
 
+BUILDS_PLUGIN = """
+import os
+from pathlib import Path
+
+from tests._faults import good
+
+
+def recorded(folder):
+    Path(folder, f"built-{os.getpid()}").touch()  # which process built the workload
+    return good()
+"""
+
+
+def _recorded(folder: Path) -> WorkloadRecipe:
+    """A recipe of `tests._faults.good` that leaves a file named by the building process."""
+    plugin = folder / "builds.py"
+    plugin.write_text(BUILDS_PLUGIN)
+    return WorkloadRecipe(f"{plugin}:recorded", {"folder": str(folder)})
+
+
+def _builders(folder: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("built-")) for path in folder.glob("built-*"))
+
+
+def test_fresh_trials_build_their_own_workload_in_one_kept_process(tmp_path: Path) -> None:
+    workload = _faults.good()
+    expected = {p: run_trial(workload, p, SETTINGS) for p in (NO_WORKERS, ONE_WORKER)}
+    recipe = _recorded(tmp_path)
+    before = _descendants()
+    with FreshHost() as host:
+        for params in (NO_WORKERS, ONE_WORKER, NO_WORKERS, ONE_WORKER):
+            job = TrialJob(workload, params, SETTINGS, "cpu", fresh=recipe)
+            outcome = run_isolated(job, host=host)
+            assert outcome.failure is None and outcome.result is not None, outcome.failure
+            # The same learning as in this process: only where it trains changed.
+            assert outcome.result.val_loss == expected[params].val_loss
+            assert outcome.exitcode is None  # kept for the next trial
+        assert host.started == 1
+        assert host.process is not None
+        kept = host.process.pid
+    builders = _builders(tmp_path)
+    assert builders == [kept], "one process, not this one, built the workload once"
+    assert _gone(kept)
+    assert _descendants(before) == []
+
+
+def test_a_fresh_trial_without_a_host_ends_its_process(tmp_path: Path) -> None:
+    job = TrialJob(_faults.good(), ONE_WORKER, SETTINGS, "cpu", fresh=_recorded(tmp_path))
+    outcome = _isolated_job(job)
+    assert outcome.failure is None
+    assert outcome.exitcode == 0 and 0 < outcome.startup_s < outcome.wall_s
+    assert len(_builders(tmp_path)) == 1 and os.getpid() not in _builders(tmp_path)
+
+
+# A fresh process's failures are classified as a forked child's, and end the process.
+FRESH_CASES = {
+    "user error": ("tests._faults:user_error", {}),
+    "hang in the main process": ("tests._faults:hang", {"in_worker_only": False}),
+    "worker segfault": ("tests._faults:worker_segfault", {}),
+    "segfault in training": ("tests._faults:main_segfault", {}),
+    "killed by the OOM killer": ("tests._faults:main_sigkill", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(FRESH_CASES))
+def test_failures_in_a_fresh_process_are_classified_and_end_it(name: str) -> None:
+    case = CASES[name]
+    spec, options = FRESH_CASES[name]
+    limits = TrialLimits(trial_timeout_s=case.timeout_s + 10)  # its imports come first
+    with FreshHost() as host:
+        failing = TrialJob(
+            _faults.good(), case.params, SETTINGS, "cpu", fresh=WorkloadRecipe(spec, options)
+        )
+        outcome = _isolated_job(failing, limits=limits, host=host)
+        failure = outcome.failure
+        assert failure is not None and failure.reason == case.reason, failure
+        assert case.message.replace("3 s", "13 s") in failure.message
+        assert case.trace in failure.traceback
+        assert host.process is None, "a failed trial's process is not kept"
+        good = TrialJob(
+            _faults.good(), NO_WORKERS, SETTINGS, "cpu", fresh=WorkloadRecipe("tests._faults:good")
+        )
+        assert _isolated_job(good, host=host).failure is None
+        assert host.started == 2
+
+
+def _isolated_job(
+    job: TrialJob, *, limits: TrialLimits = NO_LIMITS, host: FreshHost | None = None
+) -> TrialOutcome:
+    before = _descendants()
+    outcome = run_isolated(job, limits=limits, host=host)
+    if host is not None and outcome.exitcode is None:  # kept: only its process remains
+        assert host.process is not None
+        assert [p.pid for p in _descendants(before)] == [host.process.pid]
+    else:
+        assert _descendants(before) == [], "the trial left processes running"
+    assert outcome.isolated
+    assert (outcome.result is None) != (outcome.failure is None)
+    return outcome
+
+
 def test_the_trial_runs_on_the_given_cpus() -> None:
     cpus = sorted(os.sched_getaffinity(0))[-1:]
     # The probe raises in the loader worker unless it inherited the trial's pinning.
@@ -252,13 +359,16 @@ import psutil
 from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
 from loader_search.trial._job import TrialJob
 from loader_search.trial._supervisor import run_isolated
+from loader_search.trial._job import WorkloadRecipe
 from tests._faults import hang
 
 settings = TrainingSettings(train_samples=256, batch_size=16)
 params = LoaderParams(16, num_workers=2, prefetch_factor=2, torch_threads=1)
+fresh = WorkloadRecipe("tests._faults:hang") if sys.argv[1] == "fresh" else None
 print("ready", flush=True)
 try:
-    run_isolated(TrialJob(hang(), params, settings), limits=TrialLimits(trial_timeout_s=120))
+    job = TrialJob(hang(), params, settings, fresh=fresh)
+    run_isolated(job, limits=TrialLimits(trial_timeout_s=120))
 except KeyboardInterrupt:
     print("interrupted; left running:", len(psutil.Process().children(recursive=True)))
     sys.exit(0)
@@ -266,9 +376,10 @@ print("returned instead of raising")
 """
 
 
-def test_ctrl_c_kills_the_trial_and_is_raised() -> None:
+@pytest.mark.parametrize("process", ["fork", "fresh"])
+def test_ctrl_c_kills_the_trial_and_is_raised(process: str) -> None:
     script = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPT_SCRIPT],
+        [sys.executable, "-c", INTERRUPT_SCRIPT, process],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -278,7 +389,7 @@ def test_ctrl_c_kills_the_trial_and_is_raised() -> None:
         assert script.stdout is not None
         assert script.stdout.readline().strip() == "ready"
         parent = psutil.Process(script.pid)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90  # a fresh process imports torch first
         tree: list[psutil.Process] = []
         while len(tree) < 3 and time.monotonic() < deadline:  # the trial and its 2 workers
             time.sleep(0.2)

@@ -16,8 +16,8 @@ import pytest
 
 from loader_search.errors import ConfigError
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
-from loader_search.trial._job import TrialJob
-from loader_search.trial._supervisor import run_isolated
+from loader_search.trial._job import TrialJob, WorkloadRecipe
+from loader_search.trial._supervisor import FreshHost, run_isolated
 from tests._datasets import rank_fault, timed_workload
 
 TWO = TrainingSettings(train_samples=4096, ranks=2, warmup_batches=2)
@@ -93,6 +93,18 @@ def test_a_rank_that_fails_fails_the_trial_with_its_class_and_leaves_nothing(
     if fault == "raise":
         assert "planted fault in rank 1" in outcome.failure.message
     assert outcome.wall_s < 60
+    assert _leftovers() == []
+
+
+def test_a_two_rank_trial_in_a_fresh_process_trains_and_its_process_is_not_kept() -> None:
+    params = LoaderParams(64, 0, torch_threads=1)
+    recipe = WorkloadRecipe("tests._datasets:timed_workload", {"n": 2048})
+    with FreshHost() as host:
+        job = TrialJob(timed_workload(n=2048), params, TWO, fresh=recipe)
+        outcome = run_isolated(job, host=host)
+        assert outcome.failure is None, outcome.failure
+        assert outcome.result is not None and outcome.result.ranks == 2
+        assert outcome.exitcode == 0 and host.process is None  # it ended with its trial
     assert _leftovers() == []
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from loader_search.params import FULL_RUN, RunPlan
 
@@ -16,6 +16,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class WorkloadRecipe:
+    """How a fresh process builds a workload: ``load_workload(spec, options)`` (the process
+    imports with this one's ``sys.path``, so a plug-in is found as it was here)."""
+
+    spec: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class TrialJob:
     """One trial: train ``workload`` with the loader ``params`` under ``settings`` on
     ``device``, doing what ``plan`` asks (see `RunPlan`).
@@ -24,6 +33,11 @@ class TrialJob:
     GPU visible to the trial, which then trains on it as ``cuda:0``; ``gpu`` needs a CUDA
     ``device``. Both apply only where the trial runs in a child process (see
     `loader_search.trial._supervisor.run_isolated`, which checks them before forking).
+
+    ``fresh`` runs the trial in a fresh Python process that builds its own workload from
+    that recipe, instead of a child forked from this process that inherits ``workload``: the
+    trial then shares no memory and no process state with this one, as a user's training
+    script does (it costs the imports and the build, seconds, outside the measured window).
     """
 
     workload: Workload
@@ -33,3 +47,4 @@ class TrialJob:
     plan: RunPlan = FULL_RUN
     cpus: Sequence[int] | None = None
     gpu: int | None = None
+    fresh: WorkloadRecipe | None = None

@@ -1,10 +1,11 @@
-"""What a forked trial process tells the process that forked it, through a one-way pipe.
+"""What a trial process tells the process that started it, through a pipe.
 
-The trial's process (`loader_search.trial._supervisor`) sends `Ready` once pinned, `Progress`
-at most every `PROGRESS_INTERVAL_S` while it trains (what the trial timeout watches), and last
-`Trained` or `Failed`; a sibling rank (`loader_search.trial._ranks`) sends only the last. Plain
-frozen dataclasses defined at module level, so that they pickle through the pipe; the parent
-reads anything else as progress.
+A fresh trial process (not forked: see `loader_search.trial._supervisor`) first receives
+`Start`, the one message sent the other way. The trial's process sends `Ready` once pinned,
+`Progress` at most every `PROGRESS_INTERVAL_S` while it trains (what the trial timeout
+watches), and last `Trained` or `Failed`; a sibling rank (`loader_search.trial._ranks`) sends
+only the last. Plain frozen dataclasses defined at module level, so that they pickle through
+the pipe; the parent reads anything else as progress.
 """
 
 from __future__ import annotations
@@ -13,8 +14,27 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from loader_search.params import LoaderParams, RunPlan, TrainingSettings
     from loader_search.trial._failures import TrialFailure
+    from loader_search.trial._job import WorkloadRecipe
     from loader_search.trial._run import TrialResult
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a fresh trial process is to run: a `TrialJob`'s fields but its workload, which
+    the process builds from ``recipe``."""
+
+    recipe: WorkloadRecipe
+    params: LoaderParams
+    settings: TrainingSettings
+    device: str
+    plan: RunPlan
+    cpus: Sequence[int] | None
+    gpu: int | None
+    last: bool = False  # end after this trial, instead of waiting for the next `Start`
 
 
 @dataclass(frozen=True)

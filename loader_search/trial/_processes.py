@@ -1,6 +1,7 @@
-"""The process tree of a trial, seen from the process that forked it: a child asking to die
-with its parent, OpenMP's threads released before a fork, the tree killed and reaped, its
-memory (PSS) read, and a loader worker's death found among its zombies."""
+"""The process tree of a trial, seen from the process that started it: a child asking to die
+with its parent, OpenMP's threads released before a fork, a fresh (not forked) trial process
+seen as a forked one is, the tree killed and reaped, its memory (PSS) read, and a loader
+worker's death found among its zombies."""
 
 from __future__ import annotations
 
@@ -8,16 +9,64 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import time
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 
 from loader_search.trial._failures import TrialFailure, classify_exception
 
-if TYPE_CHECKING:
-    from multiprocessing.context import ForkProcess
+
+class ChildProcess(Protocol):
+    """What the supervisor uses of a trial's process: a `multiprocessing` one (forked) or a
+    `FreshProcess`."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class FreshProcess:
+    """A trial process started by `subprocess.Popen`, with the parts of a `multiprocessing`
+    process the supervisor uses: ``sentinel`` (readable once it ended), ``exitcode`` (minus
+    the signal that killed it) and ``join``."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid: int | None = popen.pid
+        self._keep: int | None = None
+        try:
+            self.sentinel = os.pidfd_open(popen.pid)  # Linux 5.3+
+        except (AttributeError, OSError):
+            # An older kernel: a pipe that never becomes readable; the supervisor's polls
+            # (`exited`) see the end instead, within their interval.
+            self.sentinel, self._keep = os.pipe()
+
+    @property
+    def exitcode(self) -> int | None:
+        # Once joined; never polled, which would reap it before `kill_tree` kills its group.
+        return self.popen.returncode
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+    def close(self) -> None:
+        """Release the sentinel (once the process is reaped)."""
+        for fd in (self.sentinel, self._keep):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.sentinel, self._keep = -1, None
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -50,7 +99,7 @@ def release_openmp_threads() -> None:
     pause(2)  # omp_pause_hard
 
 
-def kill_tree(process: ForkProcess) -> None:
+def kill_tree(process: ChildProcess) -> None:
     """SIGKILL the child's process group and every descendant of the child, then reap all.
 
     Descendants are listed first, while the child still holds them: once it dies they are
@@ -79,7 +128,7 @@ def kill_tree(process: ForkProcess) -> None:
     psutil.wait_procs(descendants, timeout=5)
 
 
-def exited(process: ForkProcess) -> bool:
+def exited(process: ChildProcess) -> bool:
     """Whether the child has ended, asked without reaping it (see `kill_tree`).
 
     Its sentinel and its end of the pipe do not say so by themselves: the loader workers it
@@ -94,7 +143,7 @@ def exited(process: ForkProcess) -> bool:
     return found is not None
 
 
-def wait_for_exit(process: ForkProcess, timeout_s: float, poll_s: float) -> None:
+def wait_for_exit(process: ChildProcess, timeout_s: float, poll_s: float) -> None:
     """Wait up to ``timeout_s`` for the child to end by itself, without reaping it."""
     deadline = time.perf_counter() + timeout_s
     while not exited(process):

@@ -29,6 +29,17 @@ workers ask the same of the child (`loader_search.trial._loader.WorkerStart`). T
 its copies of the parent's host lock (`close_inherited_locks`) before it forks any worker: a
 worker that outlived a killed run kept the lock, and the machine, for good.
 
+**A fresh process instead** (``TrialJob.fresh``): the child is then a new Python interpreter
+(`subprocess`, not fork) that imports torch and builds its own workload from the job's recipe,
+as a user's training script does, then trains exactly as a forked child would. It shares no
+memory with this process: none of its copy-on-write pages, its allocator's state or its heap,
+which after a study is the worker's. Its imports and build (seconds, before `Ready`, outside
+the measured window) are paid once: a `FreshHost` keeps the process for the next fresh trials.
+A study runs its confirmation trials this way with ``study.confirm_process = "fresh"``
+(`loader_search.study._worker`). The same watch, limits, pinning, process group and kill
+apply; the job travels through the pipe (`Start`), the workload does not, and CUDA may be
+initialised here.
+
 Where fork is not available (not Linux) trials run in-process, classified the same way, but
 without the timeout, the memory limit, CPU pinning or GPU pinning.
 
@@ -39,13 +50,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 import warnings
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
+
+import psutil
 
 from loader_search import interrupts
 from loader_search._inherited import close_inherited_locks
@@ -59,9 +74,11 @@ from loader_search.trial._failures import (
     classify_exit,
     failure_for,
 )
-from loader_search.trial._job import TrialJob
-from loader_search.trial._messages import Ended, Failed, Progress, Ready, Trained
+from loader_search.trial._job import TrialJob, WorkloadRecipe
+from loader_search.trial._messages import Ended, Failed, Progress, Ready, Start, Trained
 from loader_search.trial._processes import (
+    ChildProcess,
+    FreshProcess,
     dead_worker_failure,
     die_with_parent,
     exited,
@@ -75,7 +92,7 @@ from loader_search.trial._processes import (
 NO_LIMITS = TrialLimits()  # the defaults: a 600 s progress timeout, no memory limit
 
 if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
+    from collections.abc import Sequence
     from multiprocessing.context import ForkProcess
 
     from loader_search.workloads import Workload
@@ -87,6 +104,13 @@ PROGRESS_INTERVAL_S = 0.5  # the child reports progress at most this often
 MEMORY_POLL_S = 0.5  # reading PSS costs ~4 ms per process: not more often than this
 _POLL_S = 0.1  # the parent's wake-up interval while nothing arrives
 _EXIT_GRACE_S = 10.0  # a child that sent its result gets this long to exit by itself
+_START_WAIT_S = 60.0  # an idle fresh process checks this often that its parent lives
+# A fresh child's first command: this process's import path, then the trial's entry point.
+_FRESH_BOOT = (
+    "import sys; sys.path[:] = sys.argv[3:];"
+    " from loader_search.trial._supervisor import fresh_main;"
+    " fresh_main(int(sys.argv[1]), int(sys.argv[2]))"
+)
 
 
 def can_isolate() -> bool:
@@ -95,7 +119,9 @@ def can_isolate() -> bool:
     return sys.platform.startswith("linux") and ("fork" in multiprocessing.get_all_start_methods())
 
 
-def run_isolated(job: TrialJob, *, limits: TrialLimits = NO_LIMITS) -> TrialOutcome:
+def run_isolated(
+    job: TrialJob, *, limits: TrialLimits = NO_LIMITS, host: FreshHost | None = None
+) -> TrialOutcome:
     """Run `loader_search.trial._run.run_trial` for ``job`` (with its ``plan``) in a forked
     child process and classify its end.
 
@@ -114,6 +140,11 @@ def run_isolated(job: TrialJob, *, limits: TrialLimits = NO_LIMITS) -> TrialOutc
     caller records the trial as ``interrupted``. (A child that alone gets SIGINT ends with a
     failure of reason ``interrupted`` instead; nothing is raised.)
 
+    With ``job.fresh`` the child is a fresh Python process that builds its own workload from
+    that recipe (see the module's docstring); ``job.workload`` is then not used there. With a
+    ``host``, that process is kept for the next fresh trials run with the same ``host``
+    (`FreshHost`); without one, it ends with the trial.
+
     Where fork is unavailable (`can_isolate` is False), the trial runs in this process with the
     same classification but without limits or pinning (``isolated=False`` in the outcome).
     """
@@ -122,9 +153,66 @@ def run_isolated(job: TrialJob, *, limits: TrialLimits = NO_LIMITS) -> TrialOutc
         if job.gpu is not None:
             job = dataclasses.replace(job, device=f"cuda:{job.gpu}")
         return _run_in_process(job)
+    if job.fresh is not None:
+        if host is not None:
+            return _Supervisor(limits).run_fresh(job, host, keep=True)
+        with FreshHost() as once:
+            return _Supervisor(limits).run_fresh(job, once, keep=False)
     _refuse_if_cuda_initialised()
     _warm_up(job.workload)
     return _Supervisor(limits).run(job)
+
+
+class FreshHost:
+    """A fresh training process kept across trials (see the module's docstring).
+
+    Started, a new Python interpreter that builds the workload from the job's recipe, for the
+    first fresh trial `run_isolated` runs with this host; the next ones run in it while their
+    recipe, CPUs and GPU are the same and every trial before ended well, leaving no process of
+    its own behind. Anything else (a failure, a timeout, a kill, Ctrl-C, a multi-rank trial)
+    ends it, and the next trial starts a new one. Between trials it idles; `close` it (or use
+    it as a context manager) when done: it also dies with this process.
+
+    A process that trains one setting after another, each with its own model and loader, is
+    what a user's training script is after its first epoch, and the trials alternate in it:
+    whatever it carries from one trial to the next, the baseline and the candidate of a round
+    meet alike. It saves each trial the seconds of imports and the build.
+    """
+
+    def __init__(self) -> None:
+        self.process: FreshProcess | None = None
+        self.conn: Connection | None = None
+        self.key: tuple[object, ...] | None = None
+        self.started = 0  # the processes started so far
+
+    def __enter__(self) -> FreshHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def take(self, job: TrialJob) -> tuple[FreshProcess, Connection]:
+        """The process for ``job`` and its pipe: the kept one if it suits, else a new one."""
+        assert job.fresh is not None
+        key = (job.fresh.spec, sorted(job.fresh.options.items()), job.cpus, job.gpu)
+        if self.process is not None and (key != self.key or exited(self.process)):
+            self.close()
+        if self.process is None or self.conn is None:
+            self.process, self.conn = _start_fresh()
+            self.key = key
+            self.started += 1
+        return self.process, self.conn
+
+    def close(self) -> None:
+        """End the kept process, if any (its tree killed and reaped)."""
+        process, conn = self.process, self.conn
+        self.process = self.conn = self.key = None
+        if process is not None:
+            if process.exitcode is None:  # not reaped yet: its pid is still its own
+                kill_tree(process)
+            process.close()
+        if conn is not None:
+            conn.close()
 
 
 def _checked(job: TrialJob) -> TrialJob:
@@ -195,6 +283,24 @@ def _refuse_if_cuda_initialised() -> None:
         )
 
 
+def _start_fresh() -> tuple[FreshProcess, Connection]:
+    """Start a fresh Python process that runs `fresh_main` on one end of a pipe; the other."""
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    try:
+        boot = [sys.executable, "-c", _FRESH_BOOT, str(theirs.fileno()), str(os.getpid())]
+        popen = subprocess.Popen(
+            [*boot, *sys.path],  # this process's import path, for the workload's modules
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,  # its own group: terminal Ctrl-C reaches us only
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return FreshProcess(popen), ours
+
+
 class _Supervisor:
     """The parent's side of one isolated trial: start, watch, kill, classify."""
 
@@ -204,6 +310,51 @@ class _Supervisor:
         self.reaped = False
 
     def run(self, job: TrialJob) -> TrialOutcome:
+        """Fork a child for ``job``, watch it, and reap it."""
+        started = time.perf_counter()
+        process, reader = self._fork(job)
+        try:
+            return self._watch(process, reader, started)
+        except BaseException:  # KeyboardInterrupt above all: nothing may be left running
+            self._reap(process)
+            raise
+        finally:
+            reader.close()
+
+    def run_fresh(self, job: TrialJob, host: FreshHost, *, keep: bool) -> TrialOutcome:
+        """Run ``job`` in ``host``'s fresh process and watch it; with ``keep``, the process
+        is kept if the trial ended well and left nothing running, else it ends."""
+        started = time.perf_counter()
+        # A multi-rank trial's process group (its sibling ranks, torch.distributed) is not
+        # reused: it trains in the kept process's place and ends with it.
+        keep = keep and job.settings.ranks == 1
+        process, conn = host.take(job)
+        kept = False
+        try:
+            with contextlib.suppress(OSError):  # it died: the watch sees how
+                conn.send(
+                    Start(
+                        job.fresh,  # type: ignore[arg-type]
+                        job.params,
+                        job.settings,
+                        str(job.device),
+                        job.plan,
+                        job.cpus,
+                        job.gpu,
+                        last=not keep,
+                    )
+                )
+            outcome = self._watch(process, conn, started, keep=keep)
+            kept = outcome.exitcode is None
+            return outcome
+        except BaseException:
+            self._reap(process)
+            raise
+        finally:
+            if not kept:
+                host.close()
+
+    def _fork(self, job: TrialJob) -> tuple[ForkProcess, Connection]:
         # Imported here, once: every child inherits the module instead of importing it.
         import loader_search.trial._run  # noqa: F401
 
@@ -215,7 +366,6 @@ class _Supervisor:
             name="loader-search-trial",
         )
         release_openmp_threads()
-        started = time.perf_counter()
         try:
             with warnings.catch_warnings():
                 # Python 3.12+ warns about fork in a multi-threaded process. The child only
@@ -229,16 +379,19 @@ class _Supervisor:
             # Also set from here: the group must exist before any kill, whoever runs first.
             with contextlib.suppress(OSError):
                 os.setpgid(process.pid, process.pid)  # type: ignore[arg-type]
-            writer.close()
-            return self._watch(process, reader, started)
-        except BaseException:  # KeyboardInterrupt above all: nothing may be left running
+        except BaseException:
             self._reap(process)
+            reader.close()
             raise
         finally:
-            reader.close()
             writer.close()
+        return process, reader
 
-    def _watch(self, process: ForkProcess, reader: Connection, started: float) -> TrialOutcome:
+    def _watch(
+        self, process: ChildProcess, reader: Connection, started: float, keep: bool = False
+    ) -> TrialOutcome:
+        """Watch the trial until it ends; with ``keep``, a process that sent `Trained` and
+        has no child left is left running for the next trial (``exitcode`` None)."""
         limits = self.limits
         startup_s = 0.0
         last_progress = started
@@ -296,6 +449,17 @@ class _Supervisor:
                 break
             if isinstance(received, (Trained, Failed)):
                 message, sent_at, received_at = received, received.sent_at, time.perf_counter()
+        if keep and isinstance(message, Trained) and not _has_children(process):
+            ended = time.perf_counter()
+            return TrialOutcome(
+                result=message.result,
+                failure=None,
+                wall_s=ended - started,
+                startup_s=startup_s,
+                transfer_s=max(0.0, received_at - message.sent_at),
+                teardown_s=ended - received_at,
+                exitcode=None,
+            )
         if message is not None:
             wait_for_exit(process, _EXIT_GRACE_S, _POLL_S)
         if received_at == 0.0:
@@ -323,7 +487,7 @@ class _Supervisor:
             exitcode=process.exitcode,
         )
 
-    def _kill_silent(self, process: ForkProcess, timeout_s: float) -> None:
+    def _kill_silent(self, process: ChildProcess, timeout_s: float) -> None:
         """Kill a trial that made no progress for ``timeout_s``: a timeout, unless a loader
         worker of it has died, which is then what stopped the training (see
         `loader_search.trial._processes.dead_worker_failure`)."""
@@ -336,11 +500,11 @@ class _Supervisor:
             ),
         )
 
-    def _kill(self, process: ForkProcess, failure: TrialFailure) -> None:
+    def _kill(self, process: ChildProcess, failure: TrialFailure) -> None:
         self.killed = failure
         self._reap(process)
 
-    def _reap(self, process: ForkProcess) -> None:
+    def _reap(self, process: ChildProcess) -> None:
         """Kill what is left of the trial and reap it, once: after the child is reaped its pid
         (and process group id) may belong to someone else."""
         if not self.reaped and process.pid is not None:
@@ -349,35 +513,95 @@ class _Supervisor:
 
 
 def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
-    """The child: pin, announce, train, send the result or the classified failure."""
+    """The forked child: its own group, pin, announce, train, send the result or the
+    classified failure."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: terminal Ctrl-C reaches the parent only
     die_with_parent(parent_pid)
     close_inherited_locks()  # the parent's host lock, which no loader worker may keep
     message: Ended
     try:
-        device = job.device
-        if job.cpus is not None:
-            os.sched_setaffinity(0, job.cpus)  # before torch starts threads: they inherit it
-        if job.gpu is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(job.gpu)  # read when CUDA initialises
-            device = "cuda:0"
+        device = _pin(job.cpus, job.gpu, str(job.device))
         conn.send(Ready())
-        from loader_search.trial._run import run_trial
-
-        result = run_trial(
-            job.workload,
-            job.params,
-            job.settings,
-            device,
-            progress=_ProgressPing(conn),
-            plan=job.plan,
-        )
-        message = Trained(result, time.perf_counter())
+        message = _train(conn, job, device)
     except BaseException as exc:  # everything is reported; the process ends right after
         message = Failed(classify_exception(exc), time.perf_counter())
     conn.send(message)
     conn.close()
+
+
+def fresh_main(fd: int, parent_pid: int) -> None:
+    """A fresh trial process (`_FRESH_BOOT`, kept by a `FreshHost`): for each `Start` on the
+    pipe ``fd``, pin, build the workload (once per recipe), announce, train, and send the
+    result or the classified failure. It ends after a failure or a `Start` marked ``last``,
+    when the pipe closes, or when its parent is gone."""
+    die_with_parent(parent_pid)  # its group is its own already (a new session)
+    conn = Connection(fd)
+    built: tuple[WorkloadRecipe, Workload] | None = None
+    while True:
+        try:
+            while not conn.poll(_START_WAIT_S):  # idle between trials
+                if os.getppid() != parent_pid:
+                    os._exit(1)
+            start: Start = conn.recv()
+        except (EOFError, OSError):  # the parent closed the pipe, or is gone
+            break
+        message: Ended
+        try:
+            device = _pin(start.cpus, start.gpu, start.device)  # before torch starts threads
+            if built is None or built[0] != start.recipe:
+                from loader_search.workloads import load_workload
+
+                built = (start.recipe, load_workload(start.recipe.spec, start.recipe.options))
+                _warm_up(built[1])
+            job = TrialJob(
+                built[1], start.params, start.settings, device, start.plan, start.cpus, start.gpu
+            )
+            conn.send(Ready())
+            message = _train(conn, job, device)
+            gc.collect()  # a loader held by a reference cycle lets its workers go now
+        except BaseException as exc:
+            message = Failed(classify_exception(exc), time.perf_counter())
+        conn.send(message)
+        if isinstance(message, Failed) or start.last:
+            break
+    conn.close()
+    # As a forked child ends: no finaliser runs (loader workers are shut down already).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _has_children(process: ChildProcess) -> bool:
+    """Whether ``process`` has a child (a loader worker its trial left) or is gone."""
+    try:
+        return bool(psutil.Process(process.pid).children())
+    except psutil.Error:
+        return True
+
+
+def _pin(cpus: Sequence[int] | None, gpu: int | None, device: str) -> str:
+    """Pin this process to ``cpus`` and make only ``gpu`` visible; the device to train on."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # before torch starts threads: they inherit it
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # read when CUDA initialises
+        return "cuda:0"
+    return device
+
+
+def _train(conn: Connection, job: TrialJob, device: str) -> Ended:
+    from loader_search.trial._run import run_trial
+
+    result = run_trial(
+        job.workload,
+        job.params,
+        job.settings,
+        device,
+        progress=_ProgressPing(conn),
+        plan=job.plan,
+    )
+    return Trained(result, time.perf_counter())
 
 
 class _ProgressPing:
