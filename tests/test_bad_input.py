@@ -116,6 +116,10 @@ def test_absurd_values_are_refused_before_anything_is_stored(tmp_path: Path) -> 
         ),
         (base.replace('device = "cpu"', 'device = "tpu:0"'), 'training.device = "tpu:0"'),
         (base.replace('name = "tiny"', 'name = "   "'), "study.name"),
+        (
+            base.replace('name = "tiny"', 'name = "tiny"\nconfirm_process = "spawn"'),
+            'study.confirm_process = "spawn": use one of fork, fresh',
+        ),
     ]
     for index, (text, message) in enumerate(cases):
         config = tmp_path / f"bad{index}.toml"

@@ -22,6 +22,7 @@ from loader_search.study._keys import (
     CONFIRMATION_ATTR,
     LOADER_EFFICIENCY_ATTR,
     PARAMS_ATTR,
+    TRIAL_PROCESS_ATTR,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
@@ -29,9 +30,9 @@ from loader_search.study._plan import trusted_ceiling
 from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
 from loader_search.study._session import run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
-from loader_search.study._worker import count_finished
+from loader_search.study._worker import count_finished, fresh_recipe
+from loader_search.trial._job import WorkloadRecipe
 from loader_search.workloads import Workload
-from loader_search.workloads.synthetic_images import synthetic_images
 
 TRAINING = TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64)
 CONFIG = StudyConfig(
@@ -124,18 +125,20 @@ def test_without_reuse_every_trial_is_evaluated(tiny_workload: Workload, sqlite_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("process", ["fork", "fresh"])
 def test_candidates_are_confirmed_in_paired_rounds_before_the_recommendation(
-    sqlite_url: str,
+    sqlite_url: str, process: str
 ) -> None:
     # A training step that waits 200 us per sample with the GIL released (the GPU stand-in):
     # a persistent loader worker decodes during the wait, so settings with one beat the
     # baseline (no workers) and there is something to confirm. Every batch size is within
-    # the loss tolerance.
-    workload = synthetic_images(
-        image_size=16, train_size=256, val_size=64, device_us_per_sample=200
-    )
+    # the loss tolerance. The workload is the config's, so that a fresh process can build it
+    # for the rounds (`confirm_process = "fresh"`).
+    options = {"image_size": 16, "train_size": 256, "val_size": 64, "device_us_per_sample": 200}
     config = dataclasses.replace(
         CONFIG,
+        workload_options=options,
+        confirm_process=process,
         trials=5,
         loss_tolerance=10.0,
         confirm_top=2,
@@ -147,12 +150,16 @@ def test_candidates_are_confirmed_in_paired_rounds_before_the_recommendation(
             CONFIG.space, num_workers=CpuRange(1, 1), persistent_workers=True
         ),
     )
-    summary = run_study(config, workload=workload, storage=sqlite_url)
+    summary = run_study(config, storage=sqlite_url)
     study = optuna.load_study(study_name="reuse", storage=sqlite_url)
     trials = _complete(study)
     repeats = [t for t in trials if t.user_attrs.get(CONFIRMATION_ATTR)]
     assert summary.baseline is not None and summary.recommended is not None
     assert repeats, "settings with a worker beat the baseline: they are confirmed"
+    # The search forks its trials from the worker; the rounds train as configured.
+    assert {t.user_attrs[TRIAL_PROCESS_ATTR] for t in repeats} == {process}
+    searched = [t for t in trials if t not in repeats]
+    assert {t.user_attrs[TRIAL_PROCESS_ATTR] for t in searched} == {"fork"}
     # They come on top of the budget, which still counts exactly the search trials.
     assert len(trials) == config.trials + len(repeats)
     assert count_finished(study) == config.trials
@@ -200,8 +207,17 @@ def test_candidates_are_confirmed_in_paired_rounds_before_the_recommendation(
         "half_width": 0.05,
     }
     # A second run of the finished study queues nothing more.
-    run_study(config, workload=workload, storage=sqlite_url)
+    run_study(config, storage=sqlite_url)
     assert len(_complete(optuna.load_study(study_name="reuse", storage=sqlite_url))) == len(trials)
+
+
+def test_where_a_confirmation_trial_trains() -> None:
+    recipe = WorkloadRecipe("synthetic-images", {"image_size": 16})
+    assert fresh_recipe(recipe, "fresh") == recipe
+    assert fresh_recipe(recipe, "fork") is None  # the default
+    for choice in ("fresh", "fork"):  # the caller's workload, built in memory
+        assert fresh_recipe(None, choice) is None
+    assert StudyConfig().confirm_process == "fork"
 
 
 def _point(number: int, batch: int, workers: int, throughput: float, loss: float) -> TrialPoint:

@@ -44,6 +44,7 @@ else:  # pragma: no cover
 
 # A study stores its config as JSON in one attribute; MySQL/MariaDB's column holds 64 KiB.
 OPTIONS_MAX_BYTES = 16_384
+CONFIRM_PROCESSES = ("fork", "fresh")  # study.confirm_process
 SamplerName = Literal["tpe", "random", "nsga2", "grid"]
 SAMPLERS: tuple[SamplerName, ...] = ("tpe", "random", "nsga2", "grid")
 
@@ -105,6 +106,10 @@ class StudyConfig:
     confirm_min_rounds: int = 3
     confirm_max_rounds: int = 15
     confirm_half_width: float = 0.05
+    # Where a confirmation trial trains: "fork", a child forked from the worker, as every
+    # search trial; "fresh", a new Python process that builds its own workload and is kept
+    # for the rounds (see loader_search.study._worker and benchmarks/RESULTS.md).
+    confirm_process: str = "fork"
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     device: str = "auto"
@@ -132,6 +137,12 @@ class StudyConfig:
             )
         if not self.workload:
             raise ConfigError("workload.name", self.workload, "must be a non-empty string")
+        if self.confirm_process not in CONFIRM_PROCESSES:
+            raise ConfigError(
+                "study.confirm_process",
+                self.confirm_process,
+                f"use one of {', '.join(CONFIRM_PROCESSES)}",
+            )
         if self.confirm_max_rounds < self.confirm_min_rounds:
             raise ConfigError(
                 "study.confirm_max_rounds",
@@ -272,6 +283,9 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     confirm_min_rounds = study.int("confirm_min_rounds", defaults.confirm_min_rounds)
     confirm_max_rounds = study.int("confirm_max_rounds", defaults.confirm_max_rounds)
     confirm_half_width = study.number("confirm_half_width", defaults.confirm_half_width)
+    confirm_process = study.string(
+        "confirm_process", defaults.confirm_process, choices=CONFIRM_PROCESSES
+    )
     study.done()
 
     workload_name = workload.string("name", defaults.workload)
@@ -299,6 +313,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
             confirm_min_rounds=confirm_min_rounds,
             confirm_max_rounds=confirm_max_rounds,
             confirm_half_width=confirm_half_width,
+            confirm_process=confirm_process,
             workload=workload_name,
             workload_options=options,
             device=device,

@@ -66,6 +66,7 @@ BASELINE_ATTR = "baseline"  # the plain loader every speedup is measured against
 CONFIRMATION_ATTR = "confirmation"  # a trial of the confirmation rounds, beyond the budget
 CONFIRM_ROUND_ATTR = "confirm_round"  # its paired round (see _confirm)
 WORKER_ATTR = "worker"  # the worker that took the trial: "host:pid"
+TRIAL_PROCESS_ATTR = "trial_process"  # "fork", "fresh" or "in-process" (see _worker)
 HARDWARE_ATTR = "hardware"  # the machine a trial ran on (a dict)
 HARDWARE_CLASS_ATTR = "hardware_class"  # its short class key
 LOADER_EFFICIENCY_ATTR = "loader_efficiency"  # throughput / ceiling

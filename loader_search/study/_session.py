@@ -22,7 +22,13 @@ from loader_search._rules import RANGES
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
-from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
+from loader_search.study._events import (
+    LineReporter,
+    NullReporter,
+    Reporter,
+    Session,
+    StudyInfo,
+)
 from loader_search.study._heartbeats import RetryStaleTrial
 from loader_search.study._keys import study_budget, study_tolerance
 from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
@@ -36,6 +42,7 @@ from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
 from loader_search.team._masking import mask_url
 from loader_search.team._storage import open_storage, resolve_storage_url
+from loader_search.trial._job import WorkloadRecipe
 from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
 from loader_search.trial._system import usable_cpus
@@ -243,7 +250,7 @@ def create_session(
     hardware = here[1] if here is not None else None
     space, ranks, ncpus = _resolved_space(config, hardware)
     check_budget(config.training, space, ranks)
-    workload, spec = _workload(config, workload, reporter)
+    workload, spec, recipe = _workload(config, workload, reporter)
     if hardware is not None:
         space = fit_to_machine(space, workload, ranks)
     notes = list(space.notes)
@@ -261,7 +268,7 @@ def create_session(
     info = _info(study, url, created, budget, finished, workload, hardware, ncpus, notes)
     if here is None or machine is None:
         return info, None  # `init`: no trial runs here
-    return info, _session(study, rdb, config, workload, space, here, budget, machine)
+    return info, _session(study, rdb, config, workload, recipe, space, here, budget, machine)
 
 
 def join_session(
@@ -295,7 +302,7 @@ def join_session(
     hardware = here[1]
     space, ranks, ncpus = _resolved_space(config, hardware)
     mixed = check_hardware(existing.study, hardware, _allows_mixed(machine))  # before the build
-    workload, _ = _workload(config, workload, reporter)
+    workload, _, recipe = _workload(config, workload, reporter)
     space = fit_to_machine(space, workload, ranks)
     notes = [*space.notes, *mixed]
     # Opened again with the study's heartbeat settings: its connections are closed first, so
@@ -308,7 +315,7 @@ def join_session(
     budget = study_budget(name, study.user_attrs, config.trials)
     finished = count_finished(study)
     info = _info(study, url, False, budget, finished, workload, hardware, ncpus, notes)
-    return info, _session(study, rdb, config, workload, space, here, budget, machine)
+    return info, _session(study, rdb, config, workload, recipe, space, here, budget, machine)
 
 
 def _allows_mixed(machine: Machine | None) -> bool:
@@ -329,12 +336,14 @@ def _resolved_space(
 
 def _workload(
     config: StudyConfig, workload: Workload | None, reporter: Reporter
-) -> tuple[Workload, str]:
-    """The study's workload and its spec: built from the config, or the caller's own."""
+) -> tuple[Workload, str, WorkloadRecipe | None]:
+    """The study's workload, its spec, and how a fresh process rebuilds it: built from the
+    config, or the caller's own (which no process can rebuild)."""
     if workload is not None:
-        return workload, f"python:{workload.name}"  # built in memory by the caller
+        return workload, f"python:{workload.name}", None  # built in memory by the caller
     reporter.preparing(f"building workload {config.workload} (its data and model)")
-    return load_workload(config.workload, config.workload_options), config.workload
+    built = load_workload(config.workload, config.workload_options)
+    return built, config.workload, WorkloadRecipe(config.workload, dict(config.workload_options))
 
 
 def _open_rdb(
@@ -380,6 +389,7 @@ def _session(
     rdb: optuna.storages.RDBStorage,
     config: StudyConfig,
     workload: Workload,
+    recipe: WorkloadRecipe | None,
     space: ResolvedSpace,
     here: tuple[torch.device, Hardware],
     budget: int,
@@ -390,6 +400,7 @@ def _session(
         study=study,
         config=config,
         workload=workload,
+        recipe=recipe,
         space=space,
         device=device,
         hardware=hardware,

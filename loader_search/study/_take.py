@@ -68,6 +68,7 @@ from loader_search.study._trials import write_user_attrs
 from loader_search.team._db_errors import outage, retrying
 from loader_search.team._locks import study_lock
 from loader_search.trial._ranks import resolve_ranks
+from loader_search.trial._supervisor import FreshHost
 
 MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `hold_limit`)
 
@@ -83,6 +84,8 @@ class Worker:
     health: Health
     patience: Patience
     name: str = dataclasses.field(default_factory=lambda: worker_name())
+    # The fresh process the confirmation trials run in, kept between them (see _worker).
+    fresh: FreshHost = dataclasses.field(default_factory=FreshHost)
 
     def retrying(self, call: Callable[[], T]) -> T:
         """``call``, tried again while the database is unreachable, each wait reported."""

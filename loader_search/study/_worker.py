@@ -16,6 +16,12 @@ Many workers on many machines share one study and one trial budget. What keeps t
   (`loader_search.study._record.record`).
 * **One trial per host at a time** (`loader_search.team._locks.host_lock`), unless each worker is
   pinned to its own CPUs and GPU.
+* **Where a trial trains.** A trial is a child forked from this worker (no imports, no
+  build: cheap). With ``study.confirm_process = "fresh"`` a confirmation trial trains instead
+  in a fresh Python process that built its own workload and is kept for this worker's
+  confirmation trials (`fresh_recipe`, `loader_search.trial._supervisor.FreshHost`): it
+  shares no memory with the worker. Not the default: its claims read further from a plain
+  loop than the forked trials' (issue 27, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from loader_search.study._keys import (
     MICRO_BATCH_ATTR,
     OOM_ATTEMPTS_ATTR,
     PARAMS_ATTR,
+    TRIAL_PROCESS_ATTR,
 )
 from loader_search.study._optuna_compat import trial_id
 from loader_search.study._plan import Reuse, plan_trial
@@ -63,7 +70,7 @@ from loader_search.study._take import Patience, Refused, Worker, look_ahead, swe
 from loader_search.study._timings import Clock
 from loader_search.team._locks import host_lock
 from loader_search.trial._failures import TrialFailure, TrialOutcome
-from loader_search.trial._job import TrialJob
+from loader_search.trial._job import TrialJob, WorkloadRecipe
 from loader_search.trial._supervisor import run_isolated
 
 
@@ -104,6 +111,7 @@ def work(
     # Ctrl-C is acted on at safe points from here on (see loader_search.interrupts).
     with contextlib.ExitStack() as stack:
         stack.callback(sweeper.stop)
+        stack.callback(worker.fresh.close)
         stack.enter_context(interrupts.deferred())
         while max_trials is None or ran < max_trials:
             interrupts.check()
@@ -195,9 +203,16 @@ def _run_one(worker: Worker, trial: optuna.Trial, params: LoaderParams, clock: C
                 if forced_by is not None:
                     extra[ACCUMULATION_FROM] = forced_by
             inferred = known_failure(ended, params, hardware_class)
-        ran = _run_fitting(worker, trial, params, clock, ended, inferred)
+        fresh = None
+        if trial.user_attrs.get(CONFIRMATION_ATTR):
+            fresh = fresh_recipe(session.recipe, session.config.confirm_process)
+        ran = _run_fitting(worker, trial, params, clock, ended, inferred, fresh)
         params, outcome = ran.params, ran.outcome
         extra[PARAMS_ATTR] = params.as_dict()
+        if inferred is None:
+            extra[TRIAL_PROCESS_ATTR] = (
+                ("fresh" if fresh else "fork") if outcome.isolated else "in-process"
+            )
         extra[MICRO_BATCH_ATTR] = params.micro_batch_size
         extra[ACCUMULATION_ATTR] = params.accumulation_steps
         if ran.attempts:
@@ -233,6 +248,13 @@ def _run_one(worker: Worker, trial: optuna.Trial, params: LoaderParams, clock: C
     return recorded
 
 
+def fresh_recipe(recipe: WorkloadRecipe | None, choice: str) -> WorkloadRecipe | None:
+    """How a confirmation trial's fresh process builds the workload (``study.confirm_process
+    = choice``); None where it forks from this worker instead: ``"fork"``, or a workload the
+    caller built in memory (no ``recipe``: no process can rebuild it)."""
+    return recipe if choice == "fresh" else None
+
+
 def _accumulates(session: Session) -> bool:
     """Whether a batch that does not fit in memory is trained as accumulated micro-batches."""
     return session.config.training.gradient_accumulation == "auto"
@@ -257,8 +279,10 @@ def _run_fitting(
     clock: Clock,
     ended: Sequence[FrozenTrial],
     inferred: tuple[TrialFailure, int] | None,
+    fresh: WorkloadRecipe | None,
 ) -> _Ran:
-    """Run the trial in its own process; with ``gradient_accumulation = "auto"``, a measured
+    """Run the trial in its own process (a fresh one, building its workload from ``fresh``,
+    if given; else forked from this one); with ``gradient_accumulation = "auto"``, a measured
     out-of-memory runs it again at once as twice as many micro-batches of half (the same
     effective batch), until it fits or the micro-batch cannot halve. A failure ``inferred``
     from the ``ended`` trials runs nothing."""
@@ -277,10 +301,15 @@ def _run_fitting(
             outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
             return _Ran(outcome, params, reuse, attempts)
         job = TrialJob(
-            session.workload, params, session.config.training, session.device, plan=reuse.plan
+            session.workload,
+            params,
+            session.config.training,
+            session.device,
+            plan=reuse.plan,
+            fresh=fresh,
         )
         with clock.part("job"):
-            outcome = run_isolated(job, limits=session.config.limits)
+            outcome = run_isolated(job, limits=session.config.limits, host=worker.fresh)
         smaller = fewer_samples_per_step(params) if _accumulates(session) else None
         failure = outcome.failure
         if failure is None or failure.reason not in MEASURED_OOM_REASONS or smaller is None:
