@@ -1,14 +1,18 @@
 """The service's trial runner against a plain training loop, on the same settings, in one run.
 
 A study's figures are readings of its own trial runner (`loader_search.trial`: a forked
-child, meters, the early-stop window). `benchmarks.reference` is a textbook loop in a fresh
-process that shares no code with it. Each round measures every setting three ways, in a
-shuffled order of its own (so a slow spell of the machine hits one reading of a round, not
-one method):
+child or a kept fresh process, meters, the early-stop window). `benchmarks.reference` is a
+textbook loop in a fresh process that shares no code with it. Each round measures every
+setting four ways, in a shuffled order of its own (so a slow spell of the machine hits one
+reading of a round, not one method):
 
-- ``runner``: a study's confirmation trial (shortened at the early-stop mark, no ceiling),
-  forked from this process, as a study's worker forks it; with ``after_study`` this process
-  first runs a study of the config, so that the trial forks from a worker's state;
+- ``runner``: a confirmation trial (shortened at the early-stop mark, no ceiling) forked from
+  this process, as a study's worker forks its search trials (and, with ``confirm_process =
+  "fork"``, its confirmation trials); with ``after_study`` this process first runs a study of
+  the config, so that the trial forks from a worker's state;
+- ``host``: the same trial in a fresh process kept across the rounds
+  (`loader_search.trial._supervisor.FreshHost`), as a study's confirmation trial runs by
+  default;
 - ``fresh``: the same trial, the same code and plan, run by a fresh Python process itself
   (``python -m benchmarks.agreement --one``: imports, the workload built, no fork), as a
   user's script runs its training;
@@ -20,7 +24,8 @@ per-round ratios); per method, each setting's speedup over the first (the baseli
 per-round ratios as the study's confirmation computes it. A runner that reads one setting low
 and another right shows here as a speedup the reference does not see; a runner that differs
 from the fresh process shows what forking from the worker does to a reading (issue 27's
-claims read a mean 7% high against the loop).
+claims read a mean 7% high against the loop), and the host whether a kept fresh process
+reads as a new one does.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ from benchmarks.ground_truth import QUICKSTART, measure, measure_in_process, qui
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._paired import paired_speedup
+from loader_search.trial._supervisor import FreshHost
 from loader_search.workloads import load_workload
 
-METHODS = ("runner", "fresh", "reference")
+METHODS = ("runner", "host", "fresh", "reference")
+OTHERS = METHODS[:-1]  # read against the reference
 TIMEOUT_S = 300  # one fresh reading
 # The quickstart's baseline and what its studies recommend on a 2-core CPU (one persistent
 # worker, prefetch 6, one torch thread: the issue 27 studies' answer).
@@ -83,26 +90,30 @@ def run(
     workload = load_workload(config.workload, config.workload_options)
     rng = random.Random(seed)
     readings: dict[str, dict[str, list[float]]] = {m: {n: [] for n in settings} for m in METHODS}
-    for round_ in range(rounds):
-        jobs = [(method, name) for method in METHODS for name in settings]
-        rng.shuffle(jobs)
-        for method, name in jobs:
-            params = settings[name]
-            if method == "runner":
-                row = measure(workload, config, params, ceiling=False, stop_early=True)
+    with FreshHost() as host:
+
+        def reading(method: str, params: LoaderParams) -> float:
+            if method in ("runner", "host"):
+                kept = host if method == "host" else None
+                row = measure(workload, config, params, ceiling=False, stop_early=True, host=kept)
                 if "throughput" not in row:
                     raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
-                value = float(row["throughput"])
-            elif method == "fresh":
-                value = fresh_reading(config_path, params, quick=quick)
-            else:
-                value = float(
-                    reference.reading(
-                        config_path, params.as_dict(), config.workload_options, **window
-                    )["throughput"]
-                )
-            readings[method][name].append(value)
-            log(f"round {round_ + 1}/{rounds}: {method:<9} {name:<12} {value:8.0f} samples/s")
+                return float(row["throughput"])
+            if method == "fresh":
+                return fresh_reading(config_path, params, quick=quick)
+            return float(
+                reference.reading(
+                    config_path, params.as_dict(), config.workload_options, **window
+                )["throughput"]
+            )
+
+        for round_ in range(rounds):
+            jobs = [(method, name) for method in METHODS for name in settings]
+            rng.shuffle(jobs)
+            for method, name in jobs:
+                value = reading(method, settings[name])
+                readings[method][name].append(value)
+                log(f"round {round_ + 1}/{rounds}: {method:<9} {name:<12} {value:8.0f} samples/s")
     return {
         **summarise(readings, {n: p.describe() for n, p in settings.items()}),
         "reference_window": window,
@@ -169,8 +180,7 @@ def summarise(
                     f"{m}_over_reference": statistics.median(
                         a / b for a, b in zip(readings[m][name], ref, strict=True)
                     )
-                    for m in METHODS
-                    if m != "reference"
+                    for m in OTHERS
                 },
             }
         )
@@ -207,20 +217,25 @@ def section(result: dict[str, Any]) -> str:
     lines = [
         f"{result['rounds']} rounds; each round every setting once with each method, in a"
         " shuffled order. Runner: a study's confirmation trial (shortened at the early-stop"
-        f" mark) forked from {parent}. Fresh: the same trial run by a fresh Python process"
-        " itself (no fork). Reference: `benchmarks/reference.py`, a plain loop in a fresh"
-        f" process ({window['warmup']} warm-up batches, median of {window['windows']}"
+        f" mark) forked from {parent}. Host: the same trial in a fresh process kept across"
+        " the rounds (a study's confirmation trial). Fresh: the same trial run by a new Python"
+        " process itself (no fork). Reference: `benchmarks/reference.py`, a plain loop in a"
+        f" fresh process ({window['warmup']} warm-up batches, median of {window['windows']}"
         f" {window['window_batches']}-batch windows).",
         "",
-        "| setting | runner median | spread | fresh median | spread | reference median | spread"
-        " | runner / reference | fresh / reference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | "
+        + " | ".join(f"{m} median | spread" for m in METHODS)
+        + " | "
+        + " | ".join(f"{m} / reference" for m in OTHERS)
+        + " |",
+        "|---" * (1 + 2 * len(METHODS) + len(OTHERS)) + "|",
     ]
     for row in result["settings"]:
         lines.append(
             f"| {row['setting']} (`{row['params']}`)"
             + "".join(f" | {row[f'{m}_median']:,.0f} | {row[f'{m}_spread']:.0%}" for m in METHODS)
-            + f" | {row['runner_over_reference']:.3f} | {row['fresh_over_reference']:.3f} |"
+            + "".join(f" | {row[f'{m}_over_reference']:.3f}" for m in OTHERS)
+            + " |"
         )
     lines += [
         "",

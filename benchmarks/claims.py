@@ -262,8 +262,8 @@ def one_study(
     db.unlink(missing_ok=True)
     started = time.perf_counter()
     storage = f"sqlite:///{db}"
-    # The runner's readings are forked from this process, the study's worker: its state is
-    # what the confirmation trials' was.
+    # The runner's readings (`side_by_side`) are forked from this process, the study's worker,
+    # as its trials were (its confirmation trials: unless `study.confirm_process = "fresh"`).
     workload = load_workload(config.workload, config.workload_options)
     beside = None
     if beside_rounds:

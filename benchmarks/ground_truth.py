@@ -31,9 +31,9 @@ from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._space import IntRange, default_torch_threads
 from loader_search.team._locks import host_lock
-from loader_search.trial._job import TrialJob
+from loader_search.trial._job import TrialJob, WorkloadRecipe
 from loader_search.trial._run import short_run_samples
-from loader_search.trial._supervisor import run_isolated
+from loader_search.trial._supervisor import FreshHost, run_isolated
 from loader_search.workloads import Workload, load_workload
 
 T = TypeVar("T")
@@ -151,16 +151,19 @@ def measure(
     ceiling: bool,
     stop_early: bool = False,
     lock: bool = True,
+    host: FreshHost | None = None,
 ) -> dict[str, Any]:
     """One real trial with the study's own code path; its numbers as a flat dict. With
     ``stop_early`` it stops at the early-stop mark, as a study's shortened trial does: the
     throughput is the same window's, and there is no validation loss. It holds this machine's
-    host lock unless ``lock`` is False (the caller holds it: a study's reporter)."""
+    host lock unless ``lock`` is False (the caller holds it: a study's reporter). With a
+    ``host``, the trial runs in its fresh process (built from ``config``'s workload, kept for
+    the next), as a study's confirmation trial does; else it forks from this process."""
     plan = trial_plan(workload, config, params, ceiling=ceiling, stop_early=stop_early)
+    fresh = WorkloadRecipe(config.workload, dict(config.workload_options)) if host else None
+    job = TrialJob(workload, params, config.training, "cpu", plan=plan, fresh=fresh)
     with host_lock() if lock else contextlib.nullcontext():
-        outcome = run_isolated(
-            TrialJob(workload, params, config.training, "cpu", plan=plan), limits=config.limits
-        )
+        outcome = run_isolated(job, limits=config.limits, host=host)
     row: dict[str, Any] = {
         "config": key(params),
         "params": params.as_dict(),

@@ -161,15 +161,15 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
         share = study["confirmation"]
         assert 0 <= share["confirmation_s"] <= share["trials_s"] and 0 <= share["share"] <= 1
 
-    # Agreement: the trial runner, the same trial in a fresh process and the reference loop,
-    # each setting by all three, every round.
+    # Agreement: the trial runner (forked, and in a kept fresh process), the same trial in a
+    # new process and the reference loop, each setting by all four, every round.
     agreement = results["agreement"]
     assert agreement["rounds"] == 2
-    for method in ("runner", "fresh", "reference"):
+    for method in ("runner", "host", "fresh", "reference"):
         assert all(len(v) == 2 and min(v) > 0 for v in agreement["readings"][method].values())
     for row in agreement["settings"]:
         reference = agreement["readings"]["reference"][row["setting"]]
-        for method in ("runner", "fresh"):
+        for method in ("runner", "host", "fresh"):
             readings = agreement["readings"][method][row["setting"]]
             assert row[f"{method}_over_reference"] == pytest.approx(
                 statistics.median(a / b for a, b in zip(readings, reference, strict=True))
