@@ -22,13 +22,7 @@ from loader_search._rules import RANGES
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
-from loader_search.study._events import (
-    LineReporter,
-    NullReporter,
-    Reporter,
-    Session,
-    StudyInfo,
-)
+from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
 from loader_search.study._heartbeats import RetryStaleTrial
 from loader_search.study._keys import study_budget, study_tolerance
 from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
