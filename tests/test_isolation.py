@@ -89,9 +89,19 @@ def _isolated(
     limits: TrialLimits = NO_LIMITS,
     cpus: Sequence[int] | None = None,
 ) -> TrialOutcome:
+    return _isolated_job(TrialJob(workload, params, SETTINGS, "cpu", cpus=cpus), limits=limits)
+
+
+def _isolated_job(
+    job: TrialJob, *, limits: TrialLimits = NO_LIMITS, host: FreshHost | None = None
+) -> TrialOutcome:
     before = _descendants()
-    outcome = run_isolated(TrialJob(workload, params, SETTINGS, "cpu", cpus=cpus), limits=limits)
-    assert _descendants(before) == [], "the trial left processes running"
+    outcome = run_isolated(job, limits=limits, host=host)
+    if host is not None and outcome.exitcode is None:  # kept: only its process remains
+        assert host.process is not None
+        assert [p.pid for p in _descendants(before)] == [host.process.pid]
+    else:
+        assert _descendants(before) == [], "the trial left processes running"
     assert outcome.isolated
     assert (outcome.result is None) != (outcome.failure is None)
     return outcome
@@ -322,21 +332,6 @@ def test_failures_in_a_fresh_process_are_classified_and_end_it(name: str) -> Non
         )
         assert _isolated_job(good, host=host).failure is None
         assert host.started == 2
-
-
-def _isolated_job(
-    job: TrialJob, *, limits: TrialLimits = NO_LIMITS, host: FreshHost | None = None
-) -> TrialOutcome:
-    before = _descendants()
-    outcome = run_isolated(job, limits=limits, host=host)
-    if host is not None and outcome.exitcode is None:  # kept: only its process remains
-        assert host.process is not None
-        assert [p.pid for p in _descendants(before)] == [host.process.pid]
-    else:
-        assert _descendants(before) == [], "the trial left processes running"
-    assert outcome.isolated
-    assert (outcome.result is None) != (outcome.failure is None)
-    return outcome
 
 
 def test_the_trial_runs_on_the_given_cpus() -> None:

@@ -74,7 +74,7 @@ from loader_search.trial._failures import (
     classify_exit,
     failure_for,
 )
-from loader_search.trial._job import TrialJob, WorkloadRecipe
+from loader_search.trial._job import TrialJob
 from loader_search.trial._messages import Ended, Failed, Progress, Ready, Start, Trained
 from loader_search.trial._processes import (
     ChildProcess,
@@ -449,23 +449,14 @@ class _Supervisor:
                 break
             if isinstance(received, (Trained, Failed)):
                 message, sent_at, received_at = received, received.sent_at, time.perf_counter()
-        if keep and isinstance(message, Trained) and not _has_children(process):
-            ended = time.perf_counter()
-            return TrialOutcome(
-                result=message.result,
-                failure=None,
-                wall_s=ended - started,
-                startup_s=startup_s,
-                transfer_s=max(0.0, received_at - message.sent_at),
-                teardown_s=ended - received_at,
-                exitcode=None,
-            )
-        if message is not None:
-            wait_for_exit(process, _EXIT_GRACE_S, _POLL_S)
-        if received_at == 0.0:
-            received_at = time.perf_counter()
-        # Leftovers (a worker the child did not shut down) die with the trial.
-        self._reap(process)
+        kept = keep and isinstance(message, Trained) and not _has_children(process)
+        if not kept:
+            if message is not None:
+                wait_for_exit(process, _EXIT_GRACE_S, _POLL_S)
+            if received_at == 0.0:
+                received_at = time.perf_counter()
+            # Leftovers (a worker the child did not shut down) die with the trial.
+            self._reap(process)
         ended = time.perf_counter()
         outcome_failure: TrialFailure | None
         result = None
@@ -484,7 +475,7 @@ class _Supervisor:
             startup_s=startup_s,
             transfer_s=max(0.0, received_at - sent_at) if sent_at is not None else 0.0,
             teardown_s=ended - received_at,
-            exitcode=process.exitcode,
+            exitcode=None if kept else process.exitcode,
         )
 
     def _kill_silent(self, process: ChildProcess, timeout_s: float) -> None:
@@ -532,12 +523,12 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
 
 def fresh_main(fd: int, parent_pid: int) -> None:
     """A fresh trial process (`_FRESH_BOOT`, kept by a `FreshHost`): for each `Start` on the
-    pipe ``fd``, pin, build the workload (once per recipe), announce, train, and send the
-    result or the classified failure. It ends after a failure or a `Start` marked ``last``,
+    pipe ``fd``, pin, build the workload (for the first trial only), announce, train, and send
+    the result or the classified failure. It ends after a failure or a `Start` marked ``last``,
     when the pipe closes, or when its parent is gone."""
     die_with_parent(parent_pid)  # its group is its own already (a new session)
     conn = Connection(fd)
-    built: tuple[WorkloadRecipe, Workload] | None = None
+    workload: Workload | None = None  # built for the first trial (one recipe per process)
     while True:
         try:
             while not conn.poll(_START_WAIT_S):  # idle between trials
@@ -549,13 +540,13 @@ def fresh_main(fd: int, parent_pid: int) -> None:
         message: Ended
         try:
             device = _pin(start.cpus, start.gpu, start.device)  # before torch starts threads
-            if built is None or built[0] != start.recipe:
+            if workload is None:  # a `FreshHost` gives a process one recipe only
                 from loader_search.workloads import load_workload
 
-                built = (start.recipe, load_workload(start.recipe.spec, start.recipe.options))
-                _warm_up(built[1])
+                workload = load_workload(start.recipe.spec, start.recipe.options)
+                _warm_up(workload)
             job = TrialJob(
-                built[1], start.params, start.settings, device, start.plan, start.cpus, start.gpu
+                workload, start.params, start.settings, device, start.plan, start.cpus, start.gpu
             )
             conn.send(Ready())
             message = _train(conn, job, device)
