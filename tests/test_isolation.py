@@ -249,15 +249,25 @@ def test_the_parent_carries_on_after_failures(tiny_workload: Workload) -> None:
 
 
 BUILDS_PLUGIN = """
+import dataclasses
+import itertools
 import os
 from pathlib import Path
 
 from tests._faults import good
 
+_models = itertools.count(1)  # the models this process made
+
 
 def recorded(folder):
     Path(folder, f"built-{os.getpid()}").touch()  # which process built the workload
-    return good()
+    workload = good()
+
+    def make_model():
+        Path(folder, f"model-{os.getpid()}-{next(_models)}").touch()  # which trial, and its
+        return workload.make_model()  # count in that process
+
+    return dataclasses.replace(workload, make_model=make_model)
 """
 
 
@@ -272,7 +282,7 @@ def _builders(folder: Path) -> list[int]:
     return sorted(int(path.name.removeprefix("built-")) for path in folder.glob("built-*"))
 
 
-def test_fresh_trials_build_their_own_workload_in_one_kept_process(tmp_path: Path) -> None:
+def test_fresh_trials_build_their_workload_in_one_kept_process_and_fork_from_it(tmp_path: Path) -> None:
     workload = _faults.good()
     expected = {p: run_trial(workload, p, SETTINGS) for p in (NO_WORKERS, ONE_WORKER)}
     recipe = _recorded(tmp_path)
@@ -290,6 +300,11 @@ def test_fresh_trials_build_their_own_workload_in_one_kept_process(tmp_path: Pat
         kept = host.process.pid
     builders = _builders(tmp_path)
     assert builders == [kept], "one process, not this one, built the workload once"
+    # Each trial trained in a child of that process, from its state: none saw another's.
+    models = [path.name.split("-")[1:] for path in tmp_path.glob("model-*")]
+    assert len({pid for pid, _ in models}) == 4
+    assert kept not in {int(pid) for pid, _ in models}
+    assert {count for _, count in models} == {"1"}
     assert _gone(kept)
     assert _descendants(before) == []
 

@@ -154,7 +154,7 @@ def wait_for_exit(process: ChildProcess, timeout_s: float, poll_s: float) -> Non
 
 
 def dead_worker_failure(pid: int) -> TrialFailure | None:
-    """The failure of a loader worker of the trial process ``pid`` that has died and is not
+    """The failure of a loader worker under the trial process ``pid`` that has died and is not
     yet reaped (a zombie): killed by a signal other than SIGTERM (which torch sends to the
     workers it shuts down), or ended with an error code. None if there is none.
 
@@ -167,7 +167,8 @@ def dead_worker_failure(pid: int) -> TrialFailure | None:
     full /dev/shm).
     """
     try:
-        children = psutil.Process(pid).children()
+        # Recursive: a fresh process's trial is its child, and the workers are that one's.
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return None
     for child in children:

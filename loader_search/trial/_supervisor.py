@@ -29,13 +29,15 @@ workers ask the same of the child (`loader_search.trial._loader.WorkerStart`). T
 its copies of the parent's host lock (`close_inherited_locks`) before it forks any worker: a
 worker that outlived a killed run kept the lock, and the machine, for good.
 
-**A fresh process instead** (``TrialJob.fresh``): the child is then a new Python interpreter
-(`subprocess`, not fork) that imports torch and builds its own workload from the job's recipe,
-as a user's training script does, then trains exactly as a forked child would. It shares no
-memory with this process: none of its copy-on-write pages, its allocator's state or its heap,
-which after a study is the worker's. Its imports and build (seconds, before `Ready`, outside
-the measured window) are paid once: a `FreshHost` keeps the process for the next fresh trials.
-A study runs its confirmation trials this way with ``study.confirm_process = "fresh"``
+**A fresh process instead** (``TrialJob.fresh``): the trial then runs in a new Python
+interpreter (`subprocess`, not a fork of this process) that imports torch and builds its own
+workload from the job's recipe, as a user's training script does. It shares no memory with
+this process: none of its copy-on-write pages, its allocator's state or its heap, which after
+a study is the worker's. A `FreshHost` keeps that interpreter, which trains nothing itself:
+for each trial it forks a child that trains exactly as a child forked from here would, so its
+imports and build (seconds, before `Ready`) are paid once, and every trial starts from the
+same state, a fresh process's at its first batch, never what an earlier trial left behind. A
+study runs its confirmation trials this way with ``study.confirm_process = "fresh"``
 (`loader_search.study._worker`). The same watch, limits, pinning, process group and kill
 apply; the job travels through the pipe (`Start`), the workload does not, and CUDA may be
 initialised here.
@@ -53,12 +55,14 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import resource
+import signal
 import subprocess
 import sys
 import time
 import warnings
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import psutil
 
@@ -164,19 +168,21 @@ def run_isolated(
 
 
 class FreshHost:
-    """A fresh training process kept across trials (see the module's docstring).
+    """A fresh Python process kept across trials, each of which it forks (see the module's
+    docstring).
 
     Started, a new Python interpreter that builds the workload from the job's recipe, for the
-    first fresh trial `run_isolated` runs with this host; the next ones run in it while their
-    recipe, CPUs and GPU are the same and every trial before ended well, leaving no process of
-    its own behind. Anything else (a failure, a timeout, a kill, Ctrl-C, a multi-rank trial)
-    ends it, and the next trial starts a new one. Between trials it idles; `close` it (or use
-    it as a context manager) when done: it also dies with this process.
+    first fresh trial `run_isolated` runs with this host; the next ones are forked from it
+    while their recipe, CPUs and GPU are the same and every trial before ended well, leaving
+    no process of its own behind. Anything else (a failure, a timeout, a kill, Ctrl-C, a
+    multi-rank trial) ends it, and the next trial starts a new one. Between trials it idles;
+    `close` it (or use it as a context manager) when done: it also dies with this process.
 
-    A process that trains one setting after another, each with its own model and loader, is
-    what a user's training script is after its first epoch, and the trials alternate in it:
-    whatever it carries from one trial to the next, the baseline and the candidate of a round
-    meet alike. It saves each trial the seconds of imports and the build.
+    Every trial starts from the same state, that of a user's training script at its first
+    batch: the imports and the build done, the allocator and the heap as they left them, and
+    no trial before it. (A process that trained one trial after another settled in a state
+    of its own: its `num_workers=0` baseline took 2-8 page faults a batch where a user's
+    loop takes a thousand, and its claims erred more; benchmarks/RESULTS.md.)
     """
 
     def __init__(self) -> None:
@@ -449,7 +455,7 @@ class _Supervisor:
                 break
             if isinstance(received, (Trained, Failed)):
                 message, sent_at, received_at = received, received.sent_at, time.perf_counter()
-        kept = keep and isinstance(message, Trained) and not _has_children(process)
+        kept = keep and isinstance(message, Trained) and _children_gone(process, _EXIT_GRACE_S)
         if not kept:
             if message is not None:
                 wait_for_exit(process, _EXIT_GRACE_S, _POLL_S)
@@ -522,14 +528,19 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
 
 
 def fresh_main(fd: int, parent_pid: int) -> None:
-    """A fresh trial process (`_FRESH_BOOT`, kept by a `FreshHost`): for each `Start` on the
-    pipe ``fd``, pin, build the workload (for the first trial only), announce, train, and send
-    the result or the classified failure. It ends after a failure or a `Start` marked ``last``,
-    when the pipe closes, or when its parent is gone."""
+    """A fresh process (`_FRESH_BOOT`, kept by a `FreshHost`): for each `Start` on the pipe
+    ``fd``, pin, build the workload (for the first trial only), and fork a child that trains
+    (`_fresh_trial`) and talks to the parent through the same pipe; wait for it.
+
+    The process ends as its trial's child did when that child failed (its exit code) or was
+    killed (by the same signal, so that the parent classifies the end as it would a forked
+    child's); otherwise after a `Start` marked ``last``, when the pipe closes, or when its
+    parent is gone."""
     die_with_parent(parent_pid)  # its group is its own already (a new session)
     conn = Connection(fd)
     workload: Workload | None = None  # built for the first trial (one recipe per process)
-    while True:
+    status = 0
+    while status == 0:
         try:
             while not conn.poll(_START_WAIT_S):  # idle between trials
                 if os.getppid() != parent_pid:
@@ -537,7 +548,6 @@ def fresh_main(fd: int, parent_pid: int) -> None:
             start: Start = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe, or is gone
             break
-        message: Ended
         try:
             device = _pin(start.cpus, start.gpu, start.device)  # before torch starts threads
             if workload is None:  # a `FreshHost` gives a process one recipe only
@@ -545,30 +555,74 @@ def fresh_main(fd: int, parent_pid: int) -> None:
 
                 workload = load_workload(start.recipe.spec, start.recipe.options)
                 _warm_up(workload)
-            job = TrialJob(
-                workload, start.params, start.settings, device, start.plan, start.cpus, start.gpu
-            )
-            conn.send(Ready())
-            message = _train(conn, job, device)
-            gc.collect()  # a loader held by a reference cycle lets its workers go now
+            release_openmp_threads()  # see the module's docstring: forking after torch ran
+            host_pid = os.getpid()
+            pid = os.fork()
         except BaseException as exc:
-            message = Failed(classify_exception(exc), time.perf_counter())
-        conn.send(message)
-        if isinstance(message, Failed) or start.last:
+            conn.send(Failed(classify_exception(exc), time.perf_counter()))
+            status = 1 << 8  # exit code 1
+            break
+        if pid == 0:
+            _fresh_trial(conn, host_pid, start, workload, device)  # never returns
+        _, status = os.waitpid(pid, 0)
+        if start.last:
             break
     conn.close()
-    # As a forked child ends: no finaliser runs (loader workers are shut down already).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    _end_as(status)
 
 
-def _has_children(process: ChildProcess) -> bool:
-    """Whether ``process`` has a child (a loader worker its trial left) or is gone."""
+def _fresh_trial(
+    conn: Connection, host_pid: int, start: Start, workload: Workload, device: str
+) -> NoReturn:
+    """A trial's child of a fresh process: announce, train, send the result or the classified
+    failure, and exit: 0 after a result, 1 after a failure (the fresh process then ends)."""
+    die_with_parent(host_pid)
+    message: Ended
     try:
-        return bool(psutil.Process(process.pid).children())
-    except psutil.Error:
-        return True
+        job = TrialJob(
+            workload, start.params, start.settings, device, start.plan, start.cpus, start.gpu
+        )
+        conn.send(Ready())
+        message = _train(conn, job, device)
+        gc.collect()  # a loader held by a reference cycle lets its workers go now
+    except BaseException as exc:  # everything is reported; the process ends right after
+        message = Failed(classify_exception(exc), time.perf_counter())
+    conn.send(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As a forked child ends: no finaliser runs (loader workers are shut down already).
+    os._exit(1 if isinstance(message, Failed) else 0)
+
+
+def _end_as(status: int) -> NoReturn:
+    """End this process as the wait ``status`` says its child ended: killed by the same
+    signal (no core dump), or with the same exit code."""
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL cannot be handled
+            signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+        os._exit(128 + number)  # a signal whose default is not to end the process
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _children_gone(process: ChildProcess, timeout_s: float) -> bool:
+    """Whether ``process`` lives with no child left within ``timeout_s`` (a kept fresh
+    process reaps its trial's child once that sent its result; a loader worker the trial
+    left, or the trial's child that does not end, is a child still)."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        try:
+            if not psutil.Process(process.pid).children():
+                return not exited(process)
+        except psutil.Error:
+            return False
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 def _pin(cpus: Sequence[int] | None, gpu: int | None, device: str) -> str:
