@@ -10,9 +10,9 @@ reading of a round, not one method):
   this process, as a study's worker forks its search trials (and, with ``confirm_process =
   "fork"``, its confirmation trials); with ``after_study`` this process first runs a study of
   the config, so that the trial forks from a worker's state;
-- ``host``: the same trial in a fresh process kept across the rounds
-  (`loader_search.trial._supervisor.FreshHost`), as a study's confirmation trial runs by
-  default;
+- ``host``: the same trial forked from a fresh process kept across the rounds
+  (`loader_search.trial._supervisor.FreshHost`), as a study's confirmation trial runs with
+  ``confirm_process = "fresh"``;
 - ``fresh``: the same trial, the same code and plan, run by a fresh Python process itself
   (``python -m benchmarks.agreement --one``: imports, the workload built, no fork), as a
   user's script runs its training;
@@ -24,8 +24,8 @@ per-round ratios); per method, each setting's speedup over the first (the baseli
 per-round ratios as the study's confirmation computes it. A runner that reads one setting low
 and another right shows here as a speedup the reference does not see; a runner that differs
 from the fresh process shows what forking from the worker does to a reading (issue 27's
-claims read a mean 7% high against the loop), and the host whether a kept fresh process
-reads as a new one does.
+claims read a mean 7% high against the loop), and the host whether a trial forked from a
+kept fresh process reads as a new process does.
 """
 
 from __future__ import annotations
@@ -217,9 +217,10 @@ def section(result: dict[str, Any]) -> str:
     lines = [
         f"{result['rounds']} rounds; each round every setting once with each method, in a"
         " shuffled order. Runner: a study's confirmation trial (shortened at the early-stop"
-        f" mark) forked from {parent}. Host: the same trial in a fresh process kept across"
-        " the rounds (a study's confirmation trial). Fresh: the same trial run by a new Python"
-        " process itself (no fork). Reference: `benchmarks/reference.py`, a plain loop in a"
+        f" mark) forked from {parent}. Host: the same trial forked from a fresh process"
+        ' kept across the rounds (`confirm_process = "fresh"`). Fresh: the same trial run'
+        " by a new Python process itself (no fork). Reference: `benchmarks/reference.py`, a"
+        " plain loop in a"
         f" fresh process ({window['warmup']} warm-up batches, median of {window['windows']}"
         f" {window['window_batches']}-batch windows).",
         "",

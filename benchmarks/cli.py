@@ -580,7 +580,8 @@ def main(argv: list[str] | None = None) -> None:
         "--agreement-rounds",
         type=int,
         default=10,
-        help="agreement: interleaved rounds of the runner (forked, and in a kept fresh process),"
+        help="agreement: interleaved rounds of the runner (forked, and forked from a kept fresh"
+        " process),"
         " a new process and the reference loop",
     )
     parser.add_argument(

@@ -157,8 +157,9 @@ def measure(
     ``stop_early`` it stops at the early-stop mark, as a study's shortened trial does: the
     throughput is the same window's, and there is no validation loss. It holds this machine's
     host lock unless ``lock`` is False (the caller holds it: a study's reporter). With a
-    ``host``, the trial runs in its fresh process (built from ``config``'s workload, kept for
-    the next), as a study's confirmation trial does; else it forks from this process."""
+    ``host``, the trial is forked from its fresh process (which built ``config``'s workload,
+    kept for the next), as a study's confirmation trial is with ``confirm_process = "fresh"``;
+    else it forks from this process."""
     plan = trial_plan(workload, config, params, ceiling=ceiling, stop_early=stop_early)
     fresh = WorkloadRecipe(config.workload, dict(config.workload_options)) if host else None
     job = TrialJob(workload, params, config.training, "cpu", plan=plan, fresh=fresh)

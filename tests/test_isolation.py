@@ -282,7 +282,7 @@ def _builders(folder: Path) -> list[int]:
     return sorted(int(path.name.removeprefix("built-")) for path in folder.glob("built-*"))
 
 
-def test_fresh_trials_build_their_workload_in_one_kept_process_and_fork_from_it(tmp_path: Path) -> None:
+def test_fresh_trials_fork_from_one_kept_process_that_built_the_workload(tmp_path: Path) -> None:
     workload = _faults.good()
     expected = {p: run_trial(workload, p, SETTINGS) for p in (NO_WORKERS, ONE_WORKER)}
     recipe = _recorded(tmp_path)

@@ -17,11 +17,11 @@ Many workers on many machines share one study and one trial budget. What keeps t
 * **One trial per host at a time** (`loader_search.team._locks.host_lock`), unless each worker is
   pinned to its own CPUs and GPU.
 * **Where a trial trains.** A trial is a child forked from this worker (no imports, no
-  build: cheap). With ``study.confirm_process = "fresh"`` a confirmation trial trains instead
-  in a fresh Python process that built its own workload and is kept for this worker's
-  confirmation trials (`fresh_recipe`, `loader_search.trial._supervisor.FreshHost`): it
-  shares no memory with the worker. Not the default: its claims read further from a plain
-  loop than the forked trials' (issue 27, benchmarks/RESULTS.md).
+  build: cheap). With ``study.confirm_process = "fresh"`` a confirmation trial is instead
+  forked from a fresh Python process that built its own workload and is kept for this
+  worker's confirmation trials (`fresh_recipe`, `loader_search.trial._supervisor.FreshHost`):
+  it shares no memory with the worker. Not the default: its claims were no more accurate
+  than the forked trials' and cost more rounds (issue 27, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
