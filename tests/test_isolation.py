@@ -40,6 +40,7 @@ from loader_search.trial._failures import (
     classify_exit,
 )
 from loader_search.trial._job import TrialJob, WorkloadRecipe
+from loader_search.trial._processes import dead_worker_failure
 from loader_search.trial._run import run_trial
 from loader_search.trial._supervisor import (
     NO_LIMITS,
@@ -509,15 +510,54 @@ CRASHES_BESIDE_WORKERS = {
 }
 
 
+@pytest.mark.parametrize("process", ["fork", "fresh"])
 @pytest.mark.parametrize("name", list(CRASHES_BESIDE_WORKERS))
-def test_a_crash_of_the_training_process_is_seen_at_once_beside_its_workers(name: str) -> None:
-    workload = CRASHES_BESIDE_WORKERS[name]()
-    outcome = _isolated(workload, ONE_WORKER, limits=TrialLimits(trial_timeout_s=8))
+def test_a_crash_of_the_training_process_is_seen_at_once_beside_its_workers(
+    name: str, process: str
+) -> None:
+    factory = CRASHES_BESIDE_WORKERS[name]
+    # A fresh process's trial is its child: the process ends as the child did, at once.
+    fresh = WorkloadRecipe(f"tests._faults:{factory.__name__}") if process == "fresh" else None
+    job = TrialJob(factory(), ONE_WORKER, SETTINGS, "cpu", fresh=fresh)
+    outcome = _isolated_job(job, limits=TrialLimits(trial_timeout_s=8 + 10 * (fresh is not None)))
     failure = outcome.failure
     assert failure is not None and failure.reason == CRASHED, failure
     assert "SIGSEGV" in failure.message
     assert outcome.exitcode == -signal.SIGSEGV
-    assert outcome.wall_s < 4, f"the crash was seen after {outcome.wall_s:.1f} s"
+    seen = outcome.wall_s - outcome.startup_s  # after the fresh process's imports and build
+    assert seen < 4, f"the crash was seen {seen:.1f} s after the trial started"
+
+
+def test_a_dead_loader_worker_is_found_under_a_fresh_processs_trial() -> None:
+    # A fresh process's tree: it, its trial's child, and that child's loader worker, killed
+    # by SIGSEGV and not yet reaped. One level down only, the worker was not found.
+    code = (
+        "import os, signal, sys, time\n"
+        "if os.fork() == 0:\n"  # the trial's child
+        "    if os.fork() == 0:\n"  # its loader worker
+        "        os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "sys.stdin.read()\n"
+    )
+    top = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert top.stdout is not None and top.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while (failure := dead_worker_failure(top.pid)) is None:
+            assert time.monotonic() < deadline, "the dead worker was not found"
+            time.sleep(0.05)
+        assert failure.reason == WORKER_KILLED, failure
+        assert "is killed by signal: Segmentation fault" in failure.message
+    finally:
+        for proc in psutil.Process(top.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        top.kill()
+        top.wait(10)
 
 
 def test_a_dead_loader_worker_is_recorded_though_its_report_was_lost() -> None:
