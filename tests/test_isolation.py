@@ -553,8 +553,8 @@ def test_a_dead_loader_worker_is_found_under_a_fresh_processs_trial() -> None:
         assert failure.reason == WORKER_KILLED, failure
         assert "is killed by signal: Segmentation fault" in failure.message
     finally:
-        for proc in psutil.Process(top.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error):
+            for proc in psutil.Process(top.pid).children(recursive=True):
                 proc.kill()
         top.kill()
         top.wait(10)

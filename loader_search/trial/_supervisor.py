@@ -610,9 +610,9 @@ def _end_as(status: int) -> NoReturn:
 
 
 def _children_gone(process: ChildProcess, timeout_s: float) -> bool:
-    """Whether ``process`` lives with no child left within ``timeout_s`` (a kept fresh
-    process reaps its trial's child once that sent its result; a loader worker the trial
-    left, or the trial's child that does not end, is a child still)."""
+    """Whether ``process`` lives with no child left within ``timeout_s``: a kept fresh
+    process reaps its trial's child once that sent its result and ended (the child's loader
+    workers die with it: `loader_search.trial._loader.WorkerStart`)."""
     deadline = time.perf_counter() + timeout_s
     while True:
         try:
