@@ -519,7 +519,6 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
     message: Ended
     try:
         device = _pin(job.cpus, job.gpu, str(job.device))
-        conn.send(Ready())
         message = _train(conn, job, device)
     except BaseException as exc:  # everything is reported; the process ends right after
         message = Failed(classify_exception(exc), time.perf_counter())
@@ -539,6 +538,7 @@ def fresh_main(fd: int, parent_pid: int) -> None:
     die_with_parent(parent_pid)  # its group is its own already (a new session)
     conn = Connection(fd)
     workload: Workload | None = None  # built for the first trial (one recipe per process)
+    host_pid = os.getpid()  # its trials' parent
     status = 0
     while status == 0:
         try:
@@ -556,7 +556,6 @@ def fresh_main(fd: int, parent_pid: int) -> None:
                 workload = load_workload(start.recipe.spec, start.recipe.options)
                 _warm_up(workload)
             release_openmp_threads()  # see the module's docstring: forking after torch ran
-            host_pid = os.getpid()
             pid = os.fork()
         except BaseException as exc:
             conn.send(Failed(classify_exception(exc), time.perf_counter()))
@@ -584,7 +583,6 @@ def _fresh_trial(
         job = TrialJob(
             workload, start.params, start.settings, device, start.plan, start.cpus, start.gpu
         )
-        conn.send(Ready())
         message = _train(conn, job, device)
         gc.collect()  # a loader held by a reference cycle lets its workers go now
     except BaseException as exc:  # everything is reported; the process ends right after
@@ -636,8 +634,10 @@ def _pin(cpus: Sequence[int] | None, gpu: int | None, device: str) -> str:
 
 
 def _train(conn: Connection, job: TrialJob, device: str) -> Ended:
+    """Announce the trial (`Ready`: its start-up ends here), train it, and say how it went."""
     from loader_search.trial._run import run_trial
 
+    conn.send(Ready())
     result = run_trial(
         job.workload,
         job.params,
