@@ -40,7 +40,7 @@ from loader_search.trial._failures import (
     classify_exit,
 )
 from loader_search.trial._job import TrialJob, WorkloadRecipe
-from loader_search.trial._processes import dead_worker_failure
+from loader_search.trial._processes import dead_worker_failure, exited
 from loader_search.trial._run import run_trial
 from loader_search.trial._supervisor import (
     NO_LIMITS,
@@ -308,6 +308,54 @@ def test_fresh_trials_fork_from_one_kept_process_that_built_the_workload(tmp_pat
     assert {count for _, count in models} == {"1"}
     assert _gone(kept)
     assert _descendants(before) == []
+
+
+def test_a_prepared_fresh_process_builds_before_its_first_trial(tmp_path: Path) -> None:
+    recipe = _recorded(tmp_path)
+    before = _descendants()
+    with FreshHost() as host:
+        host.prepare(recipe, "cpu")
+        assert host.settle() is None
+        assert host.process is not None
+        kept = host.process.pid
+        # Built, by that process, before any trial asked for it; no model made yet.
+        assert _builders(tmp_path) == [kept]
+        assert not list(tmp_path.glob("model-*"))
+        for params in (NO_WORKERS, ONE_WORKER):
+            job = TrialJob(_faults.good(), params, SETTINGS, "cpu", fresh=recipe)
+            outcome = run_isolated(job, host=host)
+            assert outcome.failure is None, outcome.failure
+            assert outcome.exitcode is None  # kept
+        assert host.started == 1 and host.process.pid == kept
+        assert host.settle() is None  # nothing building: nothing to wait for
+    assert _builders(tmp_path) == [kept], "built once, ahead of the trials"
+    assert len(list(tmp_path.glob("model-*"))) == 2
+    assert _gone(kept)
+    assert _descendants(before) == []
+
+
+def test_a_prepared_build_that_fails_is_said_and_the_next_trial_starts_anew() -> None:
+    with FreshHost() as host:
+        host.prepare(WorkloadRecipe("tests._faults:no_such_factory"), "cpu")
+        assert host.process is not None
+        failed = host.process
+        why = host.settle()
+        assert why is not None and "no_such_factory" in why, why
+        assert host.process is None and exited(failed)
+        job = TrialJob(
+            _faults.good(), NO_WORKERS, SETTINGS, "cpu", fresh=WorkloadRecipe("tests._faults:good")
+        )
+        assert run_isolated(job, host=host).failure is None
+        assert host.started == 2
+
+
+def test_a_prepared_process_for_another_recipe_is_not_used(tmp_path: Path) -> None:
+    with FreshHost() as host:
+        host.prepare(WorkloadRecipe("tests._faults:good"), "cpu")
+        job = TrialJob(_faults.good(), NO_WORKERS, SETTINGS, "cpu", fresh=_recorded(tmp_path))
+        assert run_isolated(job, host=host).failure is None
+        assert host.started == 2  # the trial's own recipe was built, by a process of its own
+        assert host.process is not None and _builders(tmp_path) == [host.process.pid]
 
 
 def test_a_fresh_trial_without_a_host_ends_its_process(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ on real studies (SQLite file, real tiny training runs)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+from pathlib import Path
 
 import optuna
 import pytest
@@ -14,6 +16,7 @@ from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import SamplerConfig, StudyConfig
 from loader_search.study._confirm import _disturbed
+from loader_search.study._events import NullReporter
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
@@ -26,9 +29,10 @@ from loader_search.study._keys import (
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
+from loader_search.study._machine import Machine
 from loader_search.study._plan import trusted_ceiling
 from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
-from loader_search.study._session import run_study
+from loader_search.study._session import create_session, run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.study._worker import count_finished, fresh_recipe
 from loader_search.trial._job import WorkloadRecipe
@@ -214,10 +218,41 @@ def test_candidates_are_confirmed_in_paired_rounds_before_the_recommendation(
 def test_where_a_confirmation_trial_trains() -> None:
     recipe = WorkloadRecipe("synthetic-images", {"image_size": 16})
     assert fresh_recipe(recipe, "fresh") == recipe
-    assert fresh_recipe(recipe, "fork") is None  # the default
+    assert fresh_recipe(recipe, "fork") is None
     for choice in ("fresh", "fork"):  # the caller's workload, built in memory
         assert fresh_recipe(None, choice) is None
-    assert StudyConfig().confirm_process == "fork"
+    assert StudyConfig().confirm_process == "fresh"
+
+
+def test_the_session_starts_the_fresh_process_that_its_worker_waits_for(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # A plug-in that leaves a file named by the process that built it.
+    (tmp_path / "builds.py").write_text(
+        "import os\nfrom pathlib import Path\nfrom tests._faults import good\n\n"
+        "def recorded(folder):\n"
+        "    Path(folder, f'built-{os.getpid()}').touch()\n"
+        "    return good()\n"
+    )
+    config = dataclasses.replace(
+        CONFIG,
+        workload=f"{tmp_path / 'builds.py'}:recorded",
+        workload_options={"folder": str(tmp_path)},
+    )
+    _, session = create_session(config, NullReporter(), storage=sqlite_url, machine=Machine())
+    assert session is not None
+    with session.fresh as host:
+        assert host.building and host.process is not None
+        assert host.settle() is None  # what `work` waits for before its first trial
+        builders = {int(p.name.removeprefix("built-")) for p in tmp_path.glob("built-*")}
+        # The session built its own workload, the fresh process its own: two processes.
+        assert builders == {os.getpid(), host.process.pid}
+    assert host.process is None
+    # None where its confirmation trials would not use it.
+    for number, changed in enumerate(({"confirm_process": "fork"}, {"confirm_top": 0})):
+        other = dataclasses.replace(config, name=f"reuse-{number}", **changed)
+        _, session = create_session(other, NullReporter(), storage=sqlite_url, machine=Machine())
+        assert session is not None and session.fresh.process is None
 
 
 def _point(number: int, batch: int, workers: int, throughput: float, loss: float) -> TrialPoint:

@@ -104,12 +104,15 @@ class StudyConfig:
     # at the noise of a CPU's readings (benchmarks/selection.py).
     confirm_top: int = 1
     confirm_min_rounds: int = 3
-    confirm_max_rounds: int = 15
+    # The cap: 10 rounds (15 before) stated the same claims on the twenty fresh-process
+    # studies on record, at a quarter less confirmation (benchmarks/stopping.py).
+    confirm_max_rounds: int = 10
     confirm_half_width: float = 0.05
-    # Where a confirmation trial trains: "fork", a child forked from the worker, as every
-    # search trial; "fresh", a new Python process that builds its own workload and is kept
-    # for the rounds (see loader_search.study._worker and benchmarks/RESULTS.md).
-    confirm_process: str = "fork"
+    # Where a confirmation trial trains: "fresh" (the default), a child of a fresh Python
+    # process that built its own workload, as a user's script does, started beside the
+    # worker's own start-up and kept for the rounds; "fork", a child forked from the worker,
+    # as every search trial (cheaper, its claims more often high: benchmarks/RESULTS.md).
+    confirm_process: str = "fresh"
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     device: str = "auto"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, TextIO
 
 import optuna
@@ -18,6 +18,7 @@ from loader_search.study._config import StudyConfig
 from loader_search.study._space import ResolvedSpace
 from loader_search.team._hardware import Hardware
 from loader_search.trial._job import WorkloadRecipe
+from loader_search.trial._supervisor import FreshHost
 from loader_search.workloads import Workload
 
 # How a trial ended, as progress reports it ("infeasible": it completed, out of memory or
@@ -193,3 +194,7 @@ class Session:
     cpus: Sequence[int] | None = None
     gpu: int | None = None
     allow_mixed_hardware: bool = False
+    # The fresh process the confirmation trials train in (``study.confirm_process =
+    # "fresh"``), started with the session so that it builds beside the worker's start-up
+    # (`loader_search.study._session`); the worker keeps it between those trials.
+    fresh: FreshHost = field(default_factory=FreshHost)

@@ -39,6 +39,7 @@ from loader_search.team._storage import open_storage, resolve_storage_url
 from loader_search.trial._job import WorkloadRecipe
 from loader_search.trial._ranks import resolve_ranks
 from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
+from loader_search.trial._supervisor import FreshHost, can_isolate
 from loader_search.trial._system import usable_cpus
 from loader_search.workloads import Workload, check_allowed, load_workload
 
@@ -244,25 +245,32 @@ def create_session(
     hardware = here[1] if here is not None else None
     space, ranks, ncpus = _resolved_space(config, hardware)
     check_budget(config.training, space, ranks)
-    workload, spec, recipe = _workload(config, workload, reporter)
-    if hardware is not None:
-        space = fit_to_machine(space, workload, ranks)
-    notes = list(space.notes)
-    reporter.preparing(f"opening storage {mask_url(url)}")
-    rdb = _open_rdb(url, config, reporter, must_exist=False)
-    name = config.name or DEFAULT_STUDY_NAME
-    stamp = fingerprint(config, workload, spec)
-    study, created = open_study(rdb, name, config, stamp)
-    if hardware is not None:
-        notes += check_hardware(study, hardware, _allows_mixed(machine))
-    finished = count_finished(study)
-    budget, budget_notes = settle_budget(study, config, budget, finished, created)
-    notes += budget_notes
-    notes += store_settings(study, config, workload, stamp, created, budget)
-    info = _info(study, url, created, budget, finished, workload, hardware, ncpus, notes)
-    if here is None or machine is None:
-        return info, None  # `init`: no trial runs here
-    return info, _session(study, rdb, config, workload, recipe, space, here, budget, machine)
+    fresh = _fresh_host(config, workload, here)
+    try:
+        workload, spec, recipe = _workload(config, workload, reporter)
+        if hardware is not None:
+            space = fit_to_machine(space, workload, ranks)
+        notes = list(space.notes)
+        reporter.preparing(f"opening storage {mask_url(url)}")
+        rdb = _open_rdb(url, config, reporter, must_exist=False)
+        name = config.name or DEFAULT_STUDY_NAME
+        stamp = fingerprint(config, workload, spec)
+        study, created = open_study(rdb, name, config, stamp)
+        if hardware is not None:
+            notes += check_hardware(study, hardware, _allows_mixed(machine))
+        finished = count_finished(study)
+        budget, budget_notes = settle_budget(study, config, budget, finished, created)
+        notes += budget_notes
+        notes += store_settings(study, config, workload, stamp, created, budget)
+        info = _info(study, url, created, budget, finished, workload, hardware, ncpus, notes)
+        if here is None or machine is None:
+            return info, None  # `init`: no trial runs here
+        return info, _session(
+            study, rdb, config, workload, recipe, space, here, budget, machine, fresh
+        )
+    except BaseException:
+        fresh.close()  # the session would have owned it
+        raise
 
 
 def join_session(
@@ -296,20 +304,27 @@ def join_session(
     hardware = here[1]
     space, ranks, ncpus = _resolved_space(config, hardware)
     mixed = check_hardware(existing.study, hardware, _allows_mixed(machine))  # before the build
-    workload, _, recipe = _workload(config, workload, reporter)
-    space = fit_to_machine(space, workload, ranks)
-    notes = [*space.notes, *mixed]
-    # Opened again with the study's heartbeat settings: its connections are closed first, so
-    # that a worker never holds more than two.
-    existing.rdb.engine.dispose()
-    rdb = _open_rdb(url, config, reporter, must_exist=True)
-    name = existing.study.study_name
-    study = optuna.load_study(study_name=name, storage=rdb)
-    study.sampler = make_sampler(config, seed_offset=seed_offset_of(study))
-    budget = study_budget(name, study.user_attrs, config.trials)
-    finished = count_finished(study)
-    info = _info(study, url, False, budget, finished, workload, hardware, ncpus, notes)
-    return info, _session(study, rdb, config, workload, recipe, space, here, budget, machine)
+    fresh = _fresh_host(config, workload, here)
+    try:
+        workload, _, recipe = _workload(config, workload, reporter)
+        space = fit_to_machine(space, workload, ranks)
+        notes = [*space.notes, *mixed]
+        # Opened again with the study's heartbeat settings: its connections are closed
+        # first, so that a worker never holds more than two.
+        existing.rdb.engine.dispose()
+        rdb = _open_rdb(url, config, reporter, must_exist=True)
+        name = existing.study.study_name
+        study = optuna.load_study(study_name=name, storage=rdb)
+        study.sampler = make_sampler(config, seed_offset=seed_offset_of(study))
+        budget = study_budget(name, study.user_attrs, config.trials)
+        finished = count_finished(study)
+        info = _info(study, url, False, budget, finished, workload, hardware, ncpus, notes)
+        return info, _session(
+            study, rdb, config, workload, recipe, space, here, budget, machine, fresh
+        )
+    except BaseException:
+        fresh.close()  # the session would have owned it
+        raise
 
 
 def _allows_mixed(machine: Machine | None) -> bool:
@@ -337,7 +352,33 @@ def _workload(
         return workload, f"python:{workload.name}", None  # built in memory by the caller
     reporter.preparing(f"building workload {config.workload} (its data and model)")
     built = load_workload(config.workload, config.workload_options)
-    return built, config.workload, WorkloadRecipe(config.workload, dict(config.workload_options))
+    return built, config.workload, _recipe(config)
+
+
+def _recipe(config: StudyConfig) -> WorkloadRecipe:
+    return WorkloadRecipe(config.workload, dict(config.workload_options))
+
+
+def _fresh_host(
+    config: StudyConfig, workload: Workload | None, here: tuple[torch.device, Hardware] | None
+) -> FreshHost:
+    """The fresh process this worker's confirmation trials will train in (``study.
+    confirm_process = "fresh"``, `loader_search.study._worker`), started now: its imports and
+    its build run beside this worker's own, instead of in the first confirmation trial
+    (`FreshHost.prepare`; `work` waits for it before the first trial). It only idles in a
+    worker that never confirms. Not started where no trial runs here (`init`), for a
+    workload built in memory (no process can rebuild it), without confirmation, or where
+    trials are not isolated."""
+    host = FreshHost()
+    if (
+        here is not None
+        and workload is None
+        and config.confirm_top > 0
+        and config.confirm_process == "fresh"
+        and can_isolate()
+    ):
+        host.prepare(_recipe(config), str(here[0]))
+    return host
 
 
 def _open_rdb(
@@ -388,9 +429,11 @@ def _session(
     here: tuple[torch.device, Hardware],
     budget: int,
     machine: Machine,
+    fresh: FreshHost,
 ) -> Session:
     device, hardware = here
     return Session(
+        fresh=fresh,
         study=study,
         config=config,
         workload=workload,

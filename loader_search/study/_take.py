@@ -84,8 +84,12 @@ class Worker:
     health: Health
     patience: Patience
     name: str = dataclasses.field(default_factory=lambda: worker_name())
-    # The fresh process the confirmation trials run in, kept between them (see _worker).
-    fresh: FreshHost = dataclasses.field(default_factory=FreshHost)
+
+    @property
+    def fresh(self) -> FreshHost:
+        """The fresh process the confirmation trials run in, kept between them (see
+        _worker): the session's."""
+        return self.session.fresh
 
     def retrying(self, call: Callable[[], T]) -> T:
         """``call``, tried again while the database is unreachable, each wait reported."""

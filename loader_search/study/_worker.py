@@ -16,12 +16,14 @@ Many workers on many machines share one study and one trial budget. What keeps t
   (`loader_search.study._record.record`).
 * **One trial per host at a time** (`loader_search.team._locks.host_lock`), unless each worker is
   pinned to its own CPUs and GPU.
-* **Where a trial trains.** A trial is a child forked from this worker (no imports, no
-  build: cheap). With ``study.confirm_process = "fresh"`` a confirmation trial is instead
-  forked from a fresh Python process that built its own workload and is kept for this
-  worker's confirmation trials (`fresh_recipe`, `loader_search.trial._supervisor.FreshHost`):
-  it shares no memory with the worker. Not the default: its claims were no more accurate
-  than the forked trials' and cost more rounds (issue 27, benchmarks/RESULTS.md).
+* **Where a trial trains.** A search trial is a child forked from this worker (no imports,
+  no build: cheap). A confirmation trial (``study.confirm_process = "fresh"``, the default)
+  is forked instead from a fresh Python process that built its own workload, as a user's
+  script does, and shares no memory with the worker (`fresh_recipe`,
+  `loader_search.trial._supervisor.FreshHost`): the session starts it beside the worker's
+  own start-up, and it is kept for this worker's confirmation trials. Forked from the
+  worker (``"fork"``), the baseline read low more often and the claims erred more (issue 27,
+  benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ def work(
         stack.callback(sweeper.stop)
         stack.callback(worker.fresh.close)
         stack.enter_context(interrupts.deferred())
+        # The fresh process built beside this worker's start-up: done before any trial, so
+        # that no trial is measured beside its build.
+        why = worker.fresh.settle()
+        if why is not None:
+            reporter.warning(
+                f"the fresh process for the confirmation trials: {why}; a new one starts"
+                " with the first of them"
+            )
         while max_trials is None or ran < max_trials:
             interrupts.check()
             if deadline is not None and time.monotonic() >= deadline:

@@ -1,11 +1,13 @@
 """What a trial process tells the process that started it, through a pipe.
 
-A fresh trial process (not forked: see `loader_search.trial._supervisor`) first receives
-`Start`, the one message sent the other way. The trial's process sends `Ready` once pinned,
-`Progress` at most every `PROGRESS_INTERVAL_S` while it trains (what the trial timeout
-watches), and last `Trained` or `Failed`; a sibling rank (`loader_search.trial._ranks`) sends
-only the last. Plain frozen dataclasses defined at module level, so that they pickle through
-the pipe; the parent reads anything else as progress.
+A fresh trial process (not forked: see `loader_search.trial._supervisor`) receives `Start`
+for each trial, the one message sent the other way but `Build`, which asks it to build its
+workload ahead of its first trial (it answers `Built`). The trial's process sends `Ready`
+once pinned, `Progress` at most every `PROGRESS_INTERVAL_S` while it trains (what the trial
+timeout watches), and last `Trained` or `Failed`; a sibling rank
+(`loader_search.trial._ranks`) sends only the last. Plain frozen dataclasses defined at
+module level, so that they pickle through the pipe; the parent reads anything else as
+progress.
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ class Start:
     cpus: Sequence[int] | None
     gpu: int | None
     last: bool = False  # end after this trial, instead of waiting for the next `Start`
+
+
+@dataclass(frozen=True)
+class Build:
+    """Build the workload from ``recipe`` now, pinned as its trials will be, before any trial
+    asks for it (`loader_search.trial._supervisor.FreshHost.prepare`)."""
+
+    recipe: WorkloadRecipe
+    device: str
+    cpus: Sequence[int] | None
+    gpu: int | None
+
+
+@dataclass(frozen=True)
+class Built:
+    """The fresh process has built its workload and idles until the first `Start`."""
 
 
 @dataclass(frozen=True)

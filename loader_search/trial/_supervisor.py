@@ -78,8 +78,17 @@ from loader_search.trial._failures import (
     classify_exit,
     failure_for,
 )
-from loader_search.trial._job import TrialJob
-from loader_search.trial._messages import Ended, Failed, Progress, Ready, Start, Trained
+from loader_search.trial._job import TrialJob, WorkloadRecipe
+from loader_search.trial._messages import (
+    Build,
+    Built,
+    Ended,
+    Failed,
+    Progress,
+    Ready,
+    Start,
+    Trained,
+)
 from loader_search.trial._processes import (
     ChildProcess,
     FreshProcess,
@@ -109,6 +118,8 @@ MEMORY_POLL_S = 0.5  # reading PSS costs ~4 ms per process: not more often than 
 _POLL_S = 0.1  # the parent's wake-up interval while nothing arrives
 _EXIT_GRACE_S = 10.0  # a child that sent its result gets this long to exit by itself
 _START_WAIT_S = 60.0  # an idle fresh process checks this often that its parent lives
+# A `FreshHost.prepare`d process has this long to import torch and build its workload.
+BUILD_TIMEOUT_S = 300.0
 # A fresh child's first command: this process's import path, then the trial's entry point.
 _FRESH_BOOT = (
     "import sys; sys.path[:] = sys.argv[3:];"
@@ -190,6 +201,7 @@ class FreshHost:
         self.conn: Connection | None = None
         self.key: tuple[object, ...] | None = None
         self.started = 0  # the processes started so far
+        self.building = False  # `prepare`d: its `Built` not read yet
 
     def __enter__(self) -> FreshHost:
         return self
@@ -197,10 +209,67 @@ class FreshHost:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def prepare(
+        self,
+        recipe: WorkloadRecipe,
+        device: str,
+        cpus: Sequence[int] | None = None,
+        gpu: int | None = None,
+    ) -> None:
+        """Start the process now, and have it build the workload of ``recipe`` for trials on
+        ``device`` pinned to ``cpus`` and ``gpu``, while this process does other work: its
+        imports and its build then cost no trial anything. `settle` waits for the build,
+        and so does the first trial that takes the process; until then nothing is measured
+        beside it (the build takes the CPUs a trial would)."""
+        self.close()
+        self.process, self.conn = _start_fresh()
+        self.key = _host_key(recipe, cpus, gpu)
+        self.started += 1
+        self.building = True
+        with contextlib.suppress(OSError):  # it died: `settle` says so
+            self.conn.send(Build(recipe, device, cpus, gpu))
+
+    def settle(self, timeout_s: float = BUILD_TIMEOUT_S) -> str | None:
+        """Wait, at most ``timeout_s``, until a `prepare`d process has built its workload;
+        None once it has (or when nothing was building), else why not (it failed, died or
+        took longer than that): it is then ended, and the next fresh trial starts a process
+        of its own, whose failure, if it fails again, is that trial's. Ctrl-C ends it too."""
+        if not self.building:
+            return None
+        self.building = False
+        process, conn = self.process, self.conn
+        assert process is not None and conn is not None
+        why = f"it did not build the workload within {timeout_s:g} s"
+        deadline = time.perf_counter() + timeout_s
+        try:
+            while time.perf_counter() < deadline:
+                interrupts.check()
+                ready = wait([conn, process.sentinel], timeout=_POLL_S)
+                if conn in ready:
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        why = "it ended before it had built the workload"
+                        break
+                    if isinstance(message, Built):
+                        return None
+                    why = f"building the workload failed: {getattr(message, 'failure', message)}"
+                    break
+                if process.sentinel in ready:
+                    why = "it ended before it had built the workload"
+                    break
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        return why
+
     def take(self, job: TrialJob) -> tuple[FreshProcess, Connection]:
-        """The process for ``job`` and its pipe: the kept one if it suits, else a new one."""
+        """The process for ``job`` and its pipe: the kept (or `prepare`d) one if it suits,
+        else a new one."""
         assert job.fresh is not None
-        key = (job.fresh.spec, sorted(job.fresh.options.items()), job.cpus, job.gpu)
+        self.settle()
+        key = _host_key(job.fresh, job.cpus, job.gpu)
         if self.process is not None and (key != self.key or exited(self.process)):
             self.close()
         if self.process is None or self.conn is None:
@@ -213,12 +282,20 @@ class FreshHost:
         """End the kept process, if any (its tree killed and reaped)."""
         process, conn = self.process, self.conn
         self.process = self.conn = self.key = None
+        self.building = False
         if process is not None:
             if process.exitcode is None:  # not reaped yet: its pid is still its own
                 kill_tree(process)
             process.close()
         if conn is not None:
             conn.close()
+
+
+def _host_key(
+    recipe: WorkloadRecipe, cpus: Sequence[int] | None, gpu: int | None
+) -> tuple[object, ...]:
+    """What a kept fresh process is for: one recipe, pinned to these CPUs and GPU."""
+    return (recipe.spec, sorted(recipe.options.items()), cpus, gpu)
 
 
 def _checked(job: TrialJob) -> TrialJob:
@@ -528,8 +605,9 @@ def _child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
 
 def fresh_main(fd: int, parent_pid: int) -> None:
     """A fresh process (`_FRESH_BOOT`, kept by a `FreshHost`): for each `Start` on the pipe
-    ``fd``, pin, build the workload (for the first trial only), and fork a child that trains
-    (`_fresh_trial`) and talks to the parent through the same pipe; wait for it.
+    ``fd``, pin, build the workload (for the first trial only, unless a `Build` asked for it
+    before: then answered `Built`), and fork a child that trains (`_fresh_trial`) and talks
+    to the parent through the same pipe; wait for it.
 
     The process ends as its trial's child did when that child failed (its exit code) or was
     killed (by the same signal, so that the parent classifies the end as it would a forked
@@ -545,7 +623,7 @@ def fresh_main(fd: int, parent_pid: int) -> None:
             while not conn.poll(_START_WAIT_S):  # idle between trials
                 if os.getppid() != parent_pid:
                     os._exit(1)
-            start: Start = conn.recv()
+            start: Start | Build = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe, or is gone
             break
         try:
@@ -555,6 +633,9 @@ def fresh_main(fd: int, parent_pid: int) -> None:
 
                 workload = load_workload(start.recipe.spec, start.recipe.options)
                 _warm_up(workload)
+            if isinstance(start, Build):  # built ahead of the first trial: idle until it
+                conn.send(Built())
+                continue
             release_openmp_threads()  # see the module's docstring: forking after torch ran
             pid = os.fork()
         except BaseException as exc:
