@@ -5,6 +5,7 @@ shared and noisy; benchmarks/RESULTS.md holds the measured figures)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import stopping
 from loader_search.study._recommend import hypervolume_2d
 from tests.conftest import ROOT, require_database
 
@@ -231,3 +233,33 @@ def test_scale_run_of_real_workers_on_a_real_server(backend: str, tmp_path: Path
         assert 0 < t["coordination_ms"] < t["total_ms"]
         assert t["lock_hold_ms"] > 0 and t["job_ms"] > 0 and t["record_ms"] > 0
     assert row["p50_ms"] is not None and row["p50_ms"] <= row["p95_ms"] <= row["max_ms"]
+
+
+def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
+    # The fresh-process claims runs on record stopped under the rule of their day (cap 15,
+    # futility 0.1; then cap 10, futility 0.3): replayed on their own readings, each stops
+    # where its studies stopped, and claims what they claimed.
+    before = stopping.RULES["cap 15, futility 0.1 (before)"]
+    of_their_day = {
+        "claims_zygote": before,
+        "claims_zygote_2": before,
+        "claims_amd_5": stopping.RULES["cap 10, futility 0.3"],
+    }
+    assert set(of_their_day) == set(stopping.FRESH_RUNS)
+    for name, rule in of_their_day.items():
+        path = stopping.DATA / f"{name}.json"
+        studies = stopping.recorded([path])
+        data = json.loads(path.read_text())["claims"]["studies"]
+        assert len(studies) == len(data) == 5
+        for study, stored in zip(studies, data, strict=True):
+            replayed = stopping.replay(study, rule)
+            assert replayed.rounds == stored["confirmation_rounds"], study.name
+            assert not replayed.short
+            claim = math.exp(replayed.error) * study.loop
+            assert math.isclose(claim, stored["claim"], rel_tol=1e-9)
+            assert replayed.covered == stored["covered"]
+            assert replayed.faster == (stored["verdict"] == "faster"), study.name
+    # A rule with a higher futility bar never runs longer on the same readings.
+    studies = stopping.recorded([stopping.DATA / f"{name}.json" for name in of_their_day])
+    for study in studies:
+        assert stopping.replay(study, stopping.NOW).rounds <= stopping.replay(study, before).rounds

@@ -1,0 +1,175 @@
+"""The confirmation's stop rules replayed on rounds that real studies measured (issue 27).
+
+Each `claims` run (``python -m benchmarks claims``) stores, for every study, the throughput its
+confirmation rounds read per round (baseline and recommendation, in round order), the time
+its search and its confirmation trials took, and the plain training loop's speedup read
+side by side right after the study (`benchmarks.reference`). A stop rule only decides after
+how many of those rounds to stop; the readings do not depend on it. So every rule can be
+replayed on the same recorded rounds with the study's own code (`_confirm._settled`, asked
+after each round as the worker asks it), and compared on what the issue counts:
+
+- the claim (the geometric mean of the rounds up to the stop, `paired_speedup`) against the
+  plain loop's: the median absolute log error, and how often the stated interval covers it;
+- the confirmation's share of the time spent in trials, estimated as the search trials'
+  time plus the recorded confirmation time scaled by the rounds kept (runs recorded before
+  the fresh process was started beside the worker's start-up paid its start, about 2.7 s,
+  in their first confirmation trial: spread over the rounds here, so their shares are a
+  little high for today's service);
+- how many claims end "faster" (the stated interval above 1);
+- the rounds run.
+
+A rule that would have run past a study's recorded rounds is replayed to their end and
+counted (``short``): its figures are then a bound. Only studies whose confirmation trials ran
+in a fresh process (``confirm_process = "fresh"``) are worth replaying for that default.
+Run: ``python -m benchmarks.stopping [FILE ...]`` (default: the fresh-process claims on
+record in benchmarks/data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loader_search.params import LoaderParams
+from loader_search.study._config import StudyConfig
+from loader_search.study._confirm import ConfirmSettings, Rounds, _settled
+from loader_search.study._paired import paired_speedup
+
+DATA = Path(__file__).parent / "data"
+# The claims runs on record whose confirmation trials were forked from a fresh process.
+FRESH_RUNS = ("claims_zygote", "claims_zygote_2", "claims_amd_5")
+
+DEFAULTS = StudyConfig()
+NOW = ConfirmSettings(
+    top=1,
+    min_rounds=DEFAULTS.confirm_min_rounds,
+    max_rounds=DEFAULTS.confirm_max_rounds,
+    half_width=DEFAULTS.confirm_half_width,
+    loss_tolerance=DEFAULTS.loss_tolerance,
+)
+RULES = {
+    "cap 15, futility 0.1 (before)": dataclasses.replace(NOW, max_rounds=15, futility=0.1),
+    "cap 15, futility 0.2": dataclasses.replace(NOW, max_rounds=15, futility=0.2),
+    f"cap {NOW.max_rounds}, futility {NOW.futility:g} (now)": NOW,
+    "cap 10, futility 0.1": dataclasses.replace(NOW, max_rounds=10, futility=0.1),
+    "cap 10, futility 0.3": dataclasses.replace(NOW, max_rounds=10, futility=0.3),
+    "cap 8, futility 0.3": dataclasses.replace(NOW, max_rounds=8, futility=0.3),
+    "cap 6, futility 0.3": dataclasses.replace(NOW, max_rounds=6, futility=0.3),
+}
+# Two stand-in settings: the rules look only at the readings.
+BASELINE = LoaderParams(64, 0, torch_threads=2)
+CANDIDATE = LoaderParams(64, 1, 2, False, True, 1)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One study's confirmation rounds as a claims run stored them."""
+
+    name: str
+    baseline: tuple[float, ...]
+    recommended: tuple[float, ...]
+    loop: float  # the plain loop's speedup, side by side after the study
+    search_s: float
+    confirmation_s: float
+
+
+@dataclass(frozen=True)
+class Replayed:
+    rounds: int
+    short: bool  # the rule would have gone on past the recorded rounds
+    error: float  # log(claim / loop)
+    covered: bool
+    faster: bool  # the stated interval lies above 1: the verdict is "faster"
+    share: float
+
+
+def recorded(paths: Sequence[Path]) -> list[Recorded]:
+    found = []
+    for path in paths:
+        data: dict[str, Any] = json.loads(path.read_text())
+        for study in data["claims"]["studies"]:
+            readings = study["study_readings"]
+            confirmation = study["confirmation"]
+            found.append(
+                Recorded(
+                    f"{path.stem} seed {study['seed']}",
+                    tuple(readings["baseline"]),
+                    tuple(readings["recommended"]),
+                    study["side_by_side"]["speedup"],
+                    confirmation["trials_s"] - confirmation["confirmation_s"],
+                    confirmation["confirmation_s"],
+                )
+            )
+    return found
+
+
+def replay(study: Recorded, rule: ConfirmSettings) -> Replayed:
+    """Where ``rule`` stops on ``study``'s rounds, and what it then claims."""
+    total = min(len(study.baseline), len(study.recommended))
+    measured: dict[int, dict[LoaderParams, float | None]] = {
+        n: {BASELINE: study.baseline[n], CANDIDATE: study.recommended[n]} for n in range(total)
+    }
+
+    def settled(n: int) -> bool:  # asked after round n - 1, with the rounds measured so far
+        return _settled(Rounds(BASELINE, (CANDIDATE,), dict(list(measured.items())[:n])), n, rule)
+
+    stop = next((n for n in range(1, total + 1) if settled(n)), None)
+    kept = stop if stop is not None else total
+    ratios = [r / b for r, b in zip(study.recommended[:kept], study.baseline[:kept], strict=True)]
+    claim = paired_speedup(ratios)
+    assert claim is not None, "every study on record measured at least its minimum rounds"
+    confirmation = study.confirmation_s * kept / total
+    return Replayed(
+        kept,
+        stop is None,
+        math.log(claim.estimate / study.loop),
+        claim.low <= study.loop <= claim.high,
+        claim.low > 1,
+        confirmation / (study.search_s + confirmation),
+    )
+
+
+def table(studies: Sequence[Recorded]) -> str:
+    lines = [
+        f"{len(studies)} studies on record (fresh-process confirmation), each rule replayed"
+        " on their recorded rounds:",
+        "",
+        "| rule | median claim error | worst | covered | said faster | confirmation share,"
+        " median (range) | rounds, median (range) | ran out of rounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, rule in RULES.items():
+        done = [replay(study, rule) for study in studies]
+        errors = [abs(r.error) for r in done]
+        shares = [r.share for r in done]
+        rounds = [r.rounds for r in done]
+        lines.append(
+            f"| {name} | {statistics.median(errors):.1%} | {max(errors):.1%} |"
+            f" {sum(r.covered for r in done)} of {len(done)} |"
+            f" {sum(r.faster for r in done)} of {len(done)} |"
+            f" {statistics.median(shares):.0%} ({min(shares):.0%}-{max(shares):.0%}) |"
+            f" {statistics.median(rounds):g} ({min(rounds)}-{max(rounds)}) |"
+            f" {sum(r.short for r in done)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.stopping", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("files", nargs="*", type=Path, help="claims runs' JSON files")
+    args = parser.parse_args()
+    files = args.files or [DATA / f"{name}.json" for name in FRESH_RUNS]
+    print(table(recorded([f for f in files if f.exists()])))
+
+
+if __name__ == "__main__":
+    main()
