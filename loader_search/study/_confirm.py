@@ -98,8 +98,9 @@ class ConfirmSettings:
     loss_tolerance: float
     # Stop once a "faster" verdict by the cap is less likely than this (`chance_of_gain`; 0:
     # never). The code's value, not a study setting: it changes no claim's meaning. 0.3 (0.1
-    # before) stated the recorded studies' claims as well at less cost, and loses few true
-    # gains in simulation (python -m benchmarks.stopping, benchmarks.selection).
+    # before) stated the recorded studies' claims and verdicts as well at a sixth less
+    # confirmation (python -m benchmarks.stopping); in simulation it loses some true gains at
+    # a CPU's noisiest readings (python -m benchmarks.selection).
     futility: float = 0.3
 
 
