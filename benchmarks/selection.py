@@ -7,13 +7,15 @@ times each reading's own noise. Two candidates, true speedups given per case; th
 single readings (each with a drift of its own) choose which of them beat the baseline and
 their order, as a study's do. It prints, per case and noise level and per rule (a race of two
 candidates, the same without the futility stop `ConfirmSettings.futility`, and no race:
-``top`` 1, the default): the median and mean of stated / true speedup for the claim as stated
-(the leader's rounds after the race, `Rounds.claims`) and for the same studies' claim from
-every round of the leader (the race's round included, `Rounds.speedups`), how often each
-interval covers the truth, how often the verdict is "faster", how often the leader is truly
-the fastest and its true speed over the fastest's (what the choice costs), and the trials the
-rounds took. Nothing is timed: no machine noise, only the statistics of the rules (issue 27's
-winner's curse and the confirmation's cost).
+``top`` 1, the default; all three with the study's default cap and futility; and no race
+under the rule before them, futility 0.1, and with a cap of 10, for comparison): the median
+and mean of stated / true speedup for the claim as stated (the leader's rounds after the
+race, `Rounds.claims`) and for the same studies' claim from every round of the leader (the
+race's round included, `Rounds.speedups`), how often each interval covers the truth, how
+often the verdict is "faster", how often the leader is truly the fastest and its true speed
+over the fastest's (what the choice costs), and the trials the rounds took. Nothing is
+timed: no machine noise, only the statistics of the rules (issue 27's winner's curse and the
+confirmation's cost).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
+from loader_search.study._config import StudyConfig
 from loader_search.study._confirm import ConfirmSettings, next_remeasure, rounds_of
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -42,8 +45,13 @@ from loader_search.study._paired import PairedSpeedup
 BASE = LoaderParams(64, 0, torch_threads=2)
 A = LoaderParams(64, 2, 2, False, True, 1)
 B = LoaderParams(64, 1, 2, False, True, 1)
+DEFAULTS = StudyConfig()
 SETTINGS = ConfirmSettings(
-    top=2, min_rounds=3, max_rounds=15, half_width=0.05, loss_tolerance=0.05
+    top=2,
+    min_rounds=DEFAULTS.confirm_min_rounds,
+    max_rounds=DEFAULTS.confirm_max_rounds,
+    half_width=DEFAULTS.confirm_half_width,
+    loss_tolerance=DEFAULTS.loss_tolerance,
 )
 CASES = {
     "equal": (1.3, 1.3),
@@ -57,6 +65,12 @@ RULES = {
     "race of 2": SETTINGS,
     "race of 2, no futility stop": dataclasses.replace(SETTINGS, futility=0.0),
     "no race (top 1)": dataclasses.replace(SETTINGS, top=1),
+    # The default's rule before the fourteenth session: 15 rounds, futility below 10%; and a
+    # shorter cap, weighed in it (benchmarks/stopping.py).
+    "no race, cap 15, futility 0.1": dataclasses.replace(
+        SETTINGS, top=1, max_rounds=15, futility=0.1
+    ),
+    "no race, cap 10": dataclasses.replace(SETTINGS, top=1, max_rounds=10),
 }
 NOISE = (0.08, 0.15)  # each reading's own log-normal noise
 DRIFT = 0.1  # the machine's log-normal drift, shared by the readings of one round
