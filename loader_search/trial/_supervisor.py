@@ -36,11 +36,12 @@ this process: none of its copy-on-write pages, its allocator's state or its heap
 a study is the worker's. A `FreshHost` keeps that interpreter, which trains nothing itself:
 for each trial it forks a child that trains exactly as a child forked from here would, so its
 imports and build (seconds, before `Ready`) are paid once, and every trial starts from the
-same state, a fresh process's at its first batch, never what an earlier trial left behind. A
-study runs its confirmation trials this way with ``study.confirm_process = "fresh"``
-(`loader_search.study._worker`). The same watch, limits, pinning, process group and kill
-apply; the job travels through the pipe (`Start`), the workload does not, and CUDA may be
-initialised here.
+same state, a fresh process's at its first batch, never what an earlier trial left behind.
+`FreshHost.prepare` starts it ahead of its first trial, to build while this process does
+other work. A study runs its confirmation trials this way (``study.confirm_process =
+"fresh"``, the default; `loader_search.study._worker`). The same watch, limits, pinning,
+process group and kill apply; the job travels through the pipe (`Start`), the workload does
+not, and CUDA may be initialised here.
 
 Where fork is not available (not Linux) trials run in-process, classified the same way, but
 without the timeout, the memory limit, CPU pinning or GPU pinning.
@@ -186,8 +187,10 @@ class FreshHost:
     first fresh trial `run_isolated` runs with this host; the next ones are forked from it
     while their recipe, CPUs and GPU are the same and every trial before ended well, leaving
     no process of its own behind. Anything else (a failure, a timeout, a kill, Ctrl-C, a
-    multi-rank trial) ends it, and the next trial starts a new one. Between trials it idles;
-    `close` it (or use it as a context manager) when done: it also dies with this process.
+    multi-rank trial) ends it, and the next trial starts a new one. `prepare` starts it
+    before any trial, building the workload meanwhile (`settle` waits for that). Between
+    trials it idles; `close` it (or use it as a context manager) when done: it also dies
+    with this process.
 
     Every trial starts from the same state, that of a user's training script at its first
     batch: the imports and the build done, the allocator and the heap as they left them, and
