@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import selection
 from loader_search.params import LoaderParams
-from loader_search.study._config import StudyConfig
 from loader_search.study._confirm import ConfirmSettings, Rounds, _settled
 from loader_search.study._paired import paired_speedup
 
@@ -46,14 +46,8 @@ DATA = Path(__file__).parent / "data"
 # The claims runs on record whose confirmation trials were forked from a fresh process.
 FRESH_RUNS = ("claims_zygote", "claims_zygote_2", "claims_amd_5")
 
-DEFAULTS = StudyConfig()
-NOW = ConfirmSettings(
-    top=1,
-    min_rounds=DEFAULTS.confirm_min_rounds,
-    max_rounds=DEFAULTS.confirm_max_rounds,
-    half_width=DEFAULTS.confirm_half_width,
-    loss_tolerance=DEFAULTS.loss_tolerance,
-)
+# The study's default rule (`StudyConfig`'s defaults, as the simulation runs them), no race.
+NOW = dataclasses.replace(selection.SETTINGS, top=1)
 RULES = {
     "cap 15, futility 0.1 (before)": dataclasses.replace(NOW, max_rounds=15, futility=0.1),
     "cap 15, futility 0.2": dataclasses.replace(NOW, max_rounds=15, futility=0.2),
