@@ -44,18 +44,20 @@ from loader_search.study._paired import paired_speedup
 
 DATA = Path(__file__).parent / "data"
 # The claims runs on record whose confirmation trials were forked from a fresh process.
-FRESH_RUNS = ("claims_zygote", "claims_zygote_2", "claims_amd_5")
+FRESH_RUNS = ("claims_zygote", "claims_zygote_2", "claims_amd_5", "claims_amd_6")
 
 # The study's default rule (`StudyConfig`'s defaults, as the simulation runs them), no race.
 NOW = dataclasses.replace(selection.SETTINGS, top=1)
+# The rules before it replay with the blocks' test of their day (`BlockTest` "chi2").
+CHI2 = dataclasses.replace(NOW, block_test="chi2")
 RULES = {
-    "cap 15, futility 0.1 (before)": dataclasses.replace(NOW, max_rounds=15, futility=0.1),
-    "cap 15, futility 0.2": dataclasses.replace(NOW, max_rounds=15, futility=0.2),
+    "cap 15, futility 0.1, chi-square blocks": dataclasses.replace(CHI2, futility=0.1),
+    "cap 10, futility 0.3, chi-square blocks": dataclasses.replace(CHI2, max_rounds=10),
+    f"cap {NOW.max_rounds}, futility {NOW.futility:g}, chi-square blocks (before)": CHI2,
     f"cap {NOW.max_rounds}, futility {NOW.futility:g} (now)": NOW,
-    "cap 10, futility 0.1": dataclasses.replace(NOW, max_rounds=10, futility=0.1),
-    "cap 10, futility 0.3": dataclasses.replace(NOW, max_rounds=10, futility=0.3),
-    "cap 8, futility 0.3": dataclasses.replace(NOW, max_rounds=8, futility=0.3),
-    "cap 6, futility 0.3": dataclasses.replace(NOW, max_rounds=6, futility=0.3),
+    "cap 10, futility 0.3": dataclasses.replace(NOW, max_rounds=10),
+    "cap 8, futility 0.3": dataclasses.replace(NOW, max_rounds=8),
+    "cap 6, futility 0.3": dataclasses.replace(NOW, max_rounds=6),
 }
 # Two stand-in settings: the rules look only at the readings.
 BASELINE = LoaderParams(64, 0, torch_threads=2)
@@ -112,12 +114,13 @@ def replay(study: Recorded, rule: ConfirmSettings) -> Replayed:
     }
 
     def settled(n: int) -> bool:  # asked after round n - 1, with the rounds measured so far
-        return _settled(Rounds(BASELINE, (CANDIDATE,), dict(list(measured.items())[:n])), n, rule)
+        so_far = dict(list(measured.items())[:n])
+        return _settled(Rounds(BASELINE, (CANDIDATE,), so_far, rule.block_test), n, rule)
 
     stop = next((n for n in range(1, total + 1) if settled(n)), None)
     kept = stop if stop is not None else total
     ratios = [r / b for r, b in zip(study.recommended[:kept], study.baseline[:kept], strict=True)]
-    claim = paired_speedup(ratios)
+    claim = paired_speedup(ratios, rule.block_test)
     assert claim is not None, "every study on record measured at least its minimum rounds"
     confirmation = study.confirmation_s * kept / total
     return Replayed(

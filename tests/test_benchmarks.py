@@ -237,13 +237,16 @@ def test_scale_run_of_real_workers_on_a_real_server(backend: str, tmp_path: Path
 
 def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
     # The fresh-process claims runs on record stopped under the rule of their day (cap 15,
-    # futility 0.1; then cap 10, futility 0.3): replayed on their own readings, each stops
-    # where its studies stopped, and claims what they claimed.
-    before = stopping.RULES["cap 15, futility 0.1 (before)"]
+    # futility 0.1; cap 10, futility 0.3; cap 15, futility 0.3; all with the chi-square test
+    # of the blocks):
+    # replayed on their own readings, each stops where its studies stopped, and claims what
+    # they claimed.
+    before = stopping.RULES["cap 15, futility 0.1, chi-square blocks"]
     of_their_day = {
         "claims_zygote": before,
         "claims_zygote_2": before,
-        "claims_amd_5": stopping.RULES["cap 10, futility 0.3"],
+        "claims_amd_5": stopping.RULES["cap 10, futility 0.3, chi-square blocks"],
+        "claims_amd_6": stopping.CHI2,
     }
     assert set(of_their_day) == set(stopping.FRESH_RUNS)
     for name, rule in of_their_day.items():
@@ -262,4 +265,6 @@ def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
     # A rule with a higher futility bar never runs longer on the same readings.
     studies = stopping.recorded([stopping.DATA / f"{name}.json" for name in of_their_day])
     for study in studies:
-        assert stopping.replay(study, stopping.NOW).rounds <= stopping.replay(study, before).rounds
+        assert (
+            stopping.replay(study, stopping.CHI2).rounds <= stopping.replay(study, before).rounds
+        )

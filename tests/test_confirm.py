@@ -43,7 +43,7 @@ from loader_search.study._paired import (
     NO_RELIABLE_GAIN,
     RERUN_NOISE,
     chance_of_gain,
-    chi2_95,
+    f_95,
     paired_speedup,
     t_975,
 )
@@ -430,9 +430,28 @@ def test_blocks_that_disagree_widen_the_interval_and_say_so() -> None:
     # Rounds with the same spread, in no particular order: the blocks agree.
     mixed = paired_speedup([1.02, 1.40, 1.05, 1.43])
     assert mixed is not None and not mixed.blocks_disagree
-    assert chi2_95(1) == pytest.approx(stats.chi2.ppf(0.95, 1), rel=1e-3)
-    for degrees in (11, 30, 100):
-        assert chi2_95(degrees) == pytest.approx(stats.chi2.ppf(0.95, degrees), rel=2e-3)
+
+
+def test_blocks_of_pure_noise_disagree_in_one_study_of_twenty() -> None:
+    # Rounds with no machine state at all (independent, as noisy as the quickstart's): the
+    # blocks' test is at 95%, so about 5% of studies see their blocks disagree, whatever
+    # their rounds. (Cochran's Q against a chi-square quantile, as before, took the noise
+    # within the blocks for known: 18-30% of these studies, and their intervals exploded.)
+    rng = random.Random(7)
+    for rounds in (3, 4, 5, 6, 10, 15):
+        flagged = 0
+        for _ in range(2000):
+            found = paired_speedup([math.exp(rng.gauss(0.2, 0.15)) for _ in range(rounds)])
+            assert found is not None
+            flagged += found.blocks_disagree
+        assert 0.03 < flagged / 2000 < 0.075, rounds
+
+
+def test_the_f_quantile_is_the_f_distributions() -> None:
+    for between, within in [(1, 1), (1, 2), (2, 2), (3, 1), (4, 5), (7, 7), (10, 30), (1, 200)]:
+        assert f_95(between, within) == pytest.approx(stats.f.ppf(0.95, between, within))
+    with pytest.raises(ValueError, match=">= 1"):
+        f_95(0, 3)
 
 
 def test_the_race_round_chooses_the_leader_and_never_counts_in_its_claim() -> None:

@@ -71,6 +71,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._paired import (
     FASTER,
+    BlockTest,
     PairedSpeedup,
     chance_of_gain,
     paired_speedup,
@@ -102,6 +103,9 @@ class ConfirmSettings:
     # confirmation (python -m benchmarks.stopping); in simulation it loses some true gains at
     # a CPU's noisiest readings (python -m benchmarks.selection).
     futility: float = 0.3
+    # How the rounds' blocks are tested for a machine state that moved (`BlockTest`): the
+    # code's choice too; "chi2", the test before, replays the studies recorded under it.
+    block_test: BlockTest = "f"
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class Rounds:
     candidates: tuple[LoaderParams, ...]  # fastest (by the search's readings) first
     # round -> settings -> its trial's throughput (None: the trial failed; see measured_rounds)
     measured: dict[int, dict[LoaderParams, float | None]]
+    block_test: BlockTest = "f"  # `ConfirmSettings.block_test`
 
     @property
     def settings(self) -> tuple[LoaderParams, ...]:
@@ -126,7 +131,7 @@ class Rounds:
     def speedups(self, before: int | None = None) -> dict[LoaderParams, PairedSpeedup]:
         found = {}
         for candidate in self.candidates:
-            speedup = paired_speedup(self.ratios(candidate, before))
+            speedup = paired_speedup(self.ratios(candidate, before), self.block_test)
             if speedup is not None:
                 found[candidate] = speedup
         return found
@@ -157,7 +162,7 @@ class Rounds:
             return []
         alone = {self.baseline, candidate}
         kept = {n: v for n, v in self.measured.items() if set(v) == alone}
-        return Rounds(self.baseline, (candidate,), kept).ratios(candidate, before)
+        return Rounds(self.baseline, (candidate,), kept, self.block_test).ratios(candidate, before)
 
     def claims(self) -> dict[LoaderParams, PairedSpeedup]:
         """The speedups to state: from the rounds after the race (`fresh`), so that neither
@@ -166,7 +171,7 @@ class Rounds:
         one stored by an older version)."""
         found = {}
         for candidate in self.candidates:
-            speedup = paired_speedup(self.fresh(candidate))
+            speedup = paired_speedup(self.fresh(candidate), self.block_test)
             if speedup is not None:
                 found[candidate] = speedup
         return found or self.speedups()
@@ -292,6 +297,7 @@ def rounds_of(
         baseline.params if baseline is not None else None,
         tuple(candidates),
         measured_rounds(trials, hardware_class),
+        confirm.block_test,
     )
 
 
@@ -364,14 +370,17 @@ def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
     if len(racing) > 1:
         return False  # the race is still on
     (leader,) = racing
-    fresh = paired_speedup(fresh_ratios := rounds.fresh(leader))
+    fresh = paired_speedup(fresh_ratios := rounds.fresh(leader), rounds.block_test)
     if fresh is None or len(fresh_ratios) < confirm.min_rounds:
         return False
     measured = len(rounds.ratios(leader))
     if measured >= confirm.max_rounds:
         return True
     left = confirm.max_rounds - measured
-    if fresh.verdict != FASTER and chance_of_gain(fresh_ratios, left) < confirm.futility:
+    if (
+        fresh.verdict != FASTER
+        and chance_of_gain(fresh_ratios, left, rounds.block_test) < confirm.futility
+    ):
         return True  # a gain is out of reach by the cap
     if fresh.blocks_disagree:
         return False  # the machine's state moved during the rounds: more blocks

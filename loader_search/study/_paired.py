@@ -11,7 +11,8 @@ ratios of one block differ from another's by more than the rounds within a block
 later run on the machine will meet such states too. The interval is then a random-effects
 one (DerSimonian-Laird: the variance between blocks, ``tau^2``, is added to the within-block
 noise), never narrower than the paired t-interval; where the blocks disagree beyond their
-noise (Cochran's Q above its chi-square 0.95 quantile) the blocks, not the rounds, count as the
+noise (the one-way analysis of variance's F test at 95%: the noise within the blocks is
+estimated from the rounds themselves) the blocks, not the rounds, count as the
 independent units (Student's t with blocks - 1 degrees of freedom), the speedup carries
 ``blocks_disagree``, the rounds go on (more blocks, `loader_search.study._confirm`), and
 every view says so.
@@ -36,6 +37,7 @@ Pure functions of the ratios; `loader_search.study._confirm` runs the rounds.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +45,11 @@ from statistics import fmean, stdev
 from typing import Literal
 
 Verdict = Literal["faster", "no_reliable_gain"]
+# How the blocks' disagreement is tested (`_between_blocks`): "f", the one-way analysis of
+# variance's F test; "chi2", Cochran's Q against its chi-square quantile, the test before the
+# fifteenth session, kept so that the studies recorded under it replay as they ran
+# (benchmarks/stopping.py).
+BlockTest = Literal["f", "chi2"]
 FASTER: Verdict = "faster"
 NO_RELIABLE_GAIN: Verdict = "no_reliable_gain"
 
@@ -54,7 +61,8 @@ _T_975 = {
     17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
     120: 1.980,
 }  # fmt: skip
-# Chi-square, 0.95 quantile, by degrees of freedom (Cochran's Q test of the blocks).
+# Chi-square, 0.95 quantile, by degrees of freedom: the blocks' test before the F test (the
+# "chi2" `BlockTest`).
 _CHI2_95 = {
     1: 3.841, 2: 5.991, 3: 7.815, 4: 9.488, 5: 11.070, 6: 12.592, 7: 14.067, 8: 15.507,
     9: 16.919, 10: 18.307,
@@ -111,12 +119,63 @@ def chi2_95(degrees: int) -> float:
     return degrees * (1 - a + 1.6449 * math.sqrt(a)) ** 3
 
 
-def paired_speedup(ratios: Sequence[float]) -> PairedSpeedup | None:
+@functools.lru_cache(maxsize=1024)
+def f_95(between: int, within: int) -> float:
+    """The 0.95 quantile of the F distribution with ``between`` and ``within`` (each >= 1)
+    degrees of freedom: the blocks' test (see `_between_blocks`). Its distribution function
+    is the regularized incomplete beta function (`_beta_cdf`), inverted by bisection."""
+    if between < 1 or within < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {between} and {within}")
+
+    def cdf(x: float) -> float:
+        return _beta_cdf(between / 2, within / 2, between * x / (between * x + within))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < 0.95:
+        low, high = high, 2 * high
+    while high - low > 1e-12 * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < 0.95 else (low, middle)
+    return (low + high) / 2
+
+
+def _beta_cdf(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (Lentz's
+    method; Numerical Recipes, section 6.4), on the side of ``x`` where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _beta_cdf(b, a, 1.0 - x)
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * fraction / a
+
+
+def paired_speedup(ratios: Sequence[float], block_test: BlockTest = "f") -> PairedSpeedup | None:
     """The speedup and its 95% interval from per-round ratios, in round order (None for
     fewer than 2). See the module docstring for the blocks."""
     if len(ratios) < 2:
         return None
-    spread = _log_spread(ratios)
+    spread = _log_spread(ratios, block_test)
     return PairedSpeedup(
         math.exp(spread.mean),
         math.exp(spread.mean - spread.margin),
@@ -149,7 +208,7 @@ def rerun_variance(round_sd: float) -> float:
     return (RERUN_NOISE * round_sd) ** 2
 
 
-def _log_spread(ratios: Sequence[float]) -> _LogSpread:
+def _log_spread(ratios: Sequence[float], block_test: BlockTest) -> _LogSpread:
     logs = [math.log(r) for r in ratios]
     n = len(logs)
     round_sd = stdev(logs)
@@ -158,7 +217,7 @@ def _log_spread(ratios: Sequence[float]) -> _LogSpread:
     blocks = [logs[i : i + BLOCK_ROUNDS] for i in range(0, n, BLOCK_ROUNDS)]
     disagree = False
     if len(blocks) >= 2 and n > len(blocks):
-        between, disagree = _between_blocks(blocks)
+        between, disagree = _between_blocks(blocks, block_test)
         if between is not None:
             variance = max(variance, between)
         if disagree:
@@ -166,7 +225,7 @@ def _log_spread(ratios: Sequence[float]) -> _LogSpread:
     return _LogSpread(fmean(logs), variance, degrees, disagree, round_sd)
 
 
-def chance_of_gain(ratios: Sequence[float], more: int) -> float:
+def chance_of_gain(ratios: Sequence[float], more: int, block_test: BlockTest = "f") -> float:
     """How likely ``more`` further rounds like ``ratios`` (per-round ratios, at least 2) are
     to end with a 95% interval above 1: the predictive probability, with the log ratios
     normal around the rounds' true mean, known only as well as the rounds so far tell it (the
@@ -176,7 +235,7 @@ def chance_of_gain(ratios: Sequence[float], more: int) -> float:
     above 1 already, else 0.0."""
     if len(ratios) < 2:
         raise ValueError(f"a chance of gain needs at least 2 rounds, got {len(ratios)}")
-    now = _log_spread(ratios)
+    now = _log_spread(ratios, block_test)
     if more <= 0:
         return 1.0 if now.mean > now.margin else 0.0
     noise = now.round_sd
@@ -192,12 +251,18 @@ def chance_of_gain(ratios: Sequence[float], more: int) -> float:
     return 0.5 * math.erfc((needed - now.mean) / scale / math.sqrt(2))
 
 
-def _between_blocks(blocks: Sequence[Sequence[float]]) -> tuple[float | None, bool]:
+def _between_blocks(
+    blocks: Sequence[Sequence[float]], test: BlockTest
+) -> tuple[float | None, bool]:
     """For log ratios in ``blocks`` (at least two, more values than blocks): the variance of
     their mean under a random-effects model (DerSimonian-Laird: each block's true ratio
     varies around the overall one by ``tau^2``, the rounds within a block around their
     block's), None when it finds no variation between blocks; and whether the blocks
-    disagree (Cochran's Q above its chi-square 0.95 quantile)."""
+    disagree: Cochran's Q over its degrees of freedom above the 0.95 quantile of F(k - 1, n -
+    k), the one-way analysis of variance's test (``test`` "f"). Q against its chi-square
+    quantile (``test`` "chi2", the test before) takes the noise within the blocks for known;
+    estimated from a study's few rounds, it made the blocks of rounds of pure noise
+    "disagree" in 18-30% of studies, where the F test does in 5%."""
     n = sum(len(b) for b in blocks)
     k = len(blocks)
     means = [fmean(b) for b in blocks]
@@ -213,7 +278,7 @@ def _between_blocks(blocks: Sequence[Sequence[float]]) -> tuple[float | None, bo
     weights = [len(b) / within for b in blocks]
     scale = sum(weights) - sum(w * w for w in weights) / sum(weights)
     tau2 = max(0.0, (q - (k - 1)) / scale)
-    disagree = q > chi2_95(k - 1)
+    disagree = q > (chi2_95(k - 1) if test == "chi2" else (k - 1) * f_95(k - 1, n - k))
     if tau2 == 0:
         return None, disagree
     # The plain mean weighs every round alike; its variance under the model:
