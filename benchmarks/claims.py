@@ -47,7 +47,13 @@ from loader_search.study._keys import (
 )
 from loader_search.study._paired import paired_speedup
 from loader_search.study._session import run_study
+from loader_search.trial._job import WorkloadRecipe
+from loader_search.trial._supervisor import FreshHost
 from loader_search.workloads import Workload, load_workload
+
+# Each study's confirmation rounds are continued to this many (`more_rounds`): what a stop
+# rule that ran on would have read, for `benchmarks.stopping` (about 4 s a round here).
+EXTEND_TO = 10
 
 
 def side_by_side(
@@ -256,6 +262,7 @@ def one_study(
     folder: Path,
     window: dict[str, int] | None = None,
     beside_rounds: bool = False,
+    extend_to: int = 0,
 ) -> dict[str, Any]:
     config = replace(config, seed=seed, name=f"claims-{seed}")
     db = folder / f"claims-{seed}.db"
@@ -292,6 +299,11 @@ def one_study(
         return {**result, "side_by_side": None, "claim_error": None, "covered": None}
     if beside is not None:
         result["beside_rounds"] = beside.speedups(base.params, rec.point.params)
+    both = {"baseline": base.params, "recommended": rec.point.params}
+    if extend_to > result["confirmation_rounds"] > 0:
+        result["more_rounds"] = more_rounds(
+            config, workload, both, result["confirmation_rounds"], extend_to
+        )
     started = time.perf_counter()
     measured = side_by_side(
         config_path,
@@ -307,7 +319,6 @@ def one_study(
     low, high = result["claim_ci95"] or (None, None)
     # Each setting as the study read it against the reference loop afterwards: a runner that
     # reads one setting low shows here (the medians; machine state moves both alike).
-    both = {"baseline": base.params, "recommended": rec.point.params}
     trials = confirmation_trials(storage, str(config.name), both)
     study_read = {key: [t.values[0] for t in found] for key, found in trials.items()}
     # The window's minor page faults per batch, medians: the study's trials beside the
@@ -338,6 +349,45 @@ def one_study(
     }
 
 
+def more_rounds(
+    config: StudyConfig,
+    workload: Workload,
+    settings: dict[str, LoaderParams],
+    done: int,
+    until: int,
+) -> dict[str, Any]:
+    """The study's confirmation rounds continued past its stop: rounds ``done`` to ``until``
+    - 1 of ``settings`` (baseline first), each trial run as the study's worker ran its
+    confirmation trials (forked from a fresh process, or from this process where the config
+    says ``confirm_process = "fork"``), the two in the order the rounds rotate. What a stop
+    rule that ran on would have read: `benchmarks.stopping` replays any rule on the rounds
+    with these after them. Taken right after the study, before the reference loop."""
+    readings: dict[str, list[float]] = {name: [] for name in settings}
+    started = time.perf_counter()
+    fresh = config.confirm_process == "fresh"
+    with FreshHost() as host:
+        if fresh:
+            host.prepare(WorkloadRecipe(config.workload, dict(config.workload_options)), "cpu")
+            if (failed := host.settle()) is not None:
+                raise RuntimeError(f"the fresh process for more rounds failed: {failed}")
+        for round_ in range(done, until):
+            names = list(settings)
+            shift = round_ % len(names)  # `Rounds.order`'s rotation
+            for name in names[shift:] + names[:shift]:
+                row = measure(
+                    workload,
+                    config,
+                    settings[name],
+                    ceiling=False,
+                    stop_early=True,
+                    host=host if fresh else None,
+                )
+                if "throughput" not in row:
+                    raise RuntimeError(f"{settings[name].describe()} failed: {row.get('failure')}")
+                readings[name].append(float(row["throughput"]))
+    return {**readings, "s": time.perf_counter() - started}
+
+
 def _first_vs_later(measurements: Sequence[float]) -> float | None:
     if len(measurements) < 2:
         return None
@@ -352,6 +402,7 @@ def run(
     rounds: int = 12,
     workdir: Path | None = None,
     beside_rounds: bool = False,
+    extend_to: int = EXTEND_TO,
     log: Any = print,
 ) -> dict[str, Any]:
     config = load_config(config_path)
@@ -359,12 +410,14 @@ def run(
     if quick:
         config = replace(quick_config(config), trials=6, confirm_max_rounds=3)
         window = dict(reference.QUICK_WINDOW)
-        studies, rounds = 2, 2
+        studies, rounds, extend_to = 2, 2, min(extend_to, 4)
     folder = Path(workdir or tempfile.mkdtemp(prefix="loader-search-claims-"))
     folder.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in range(studies):
-        results.append(one_study(config_path, config, seed, rounds, folder, window, beside_rounds))
+        results.append(
+            one_study(config_path, config, seed, rounds, folder, window, beside_rounds, extend_to)
+        )
         r = results[-1]
         truth = r["side_by_side"]["speedup"] if r["side_by_side"] else None
         log(
@@ -376,6 +429,7 @@ def run(
     return {
         "studies": results,
         "rounds": rounds,
+        "extend_to": extend_to,
         "checked": len(checked),
         "median_abs_claim_error": statistics.median(abs(r["claim_error"]) for r in checked)
         if checked

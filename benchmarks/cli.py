@@ -570,6 +570,13 @@ def main(argv: list[str] | None = None) -> None:
         "--claim-rounds", type=int, default=12, help="claims: side-by-side paired rounds"
     )
     parser.add_argument(
+        "--extend-rounds",
+        type=int,
+        default=claims.EXTEND_TO,
+        help="claims: continue each study's confirmation rounds to this many after it stops,"
+        " as its worker would have run them (0: none), for python -m benchmarks.stopping",
+    )
+    parser.add_argument(
         "--beside-rounds",
         action="store_true",
         help="claims: also read each confirmation trial's setting with the service's runner"
@@ -727,6 +734,7 @@ def main(argv: list[str] | None = None) -> None:
             rounds=args.claim_rounds,
             workdir=out,
             beside_rounds=args.beside_rounds,
+            extend_to=args.extend_rounds,
         )
         results["claims"] = result
         sections += ["## Claimed speedup against side by side", claims_section(result)]

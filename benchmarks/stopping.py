@@ -1,28 +1,31 @@
 """The confirmation's stop rules replayed on rounds that real studies measured (issue 27).
 
-Each `claims` run (``python -m benchmarks claims``) stores, for every study, the throughput its
-confirmation rounds read per round (baseline and recommendation, in round order), the time
-its search and its confirmation trials took, and the plain training loop's speedup read
-side by side right after the study (`benchmarks.reference`). A stop rule only decides after
-how many of those rounds to stop; the readings do not depend on it. So every rule can be
-replayed on the same recorded rounds with the study's own code (`_confirm._settled`, asked
-after each round as the worker asks it), and compared on what the issue counts:
+Each `claims` run (``python -m benchmarks claims``) stores, for every study, the throughput
+its confirmation rounds read per round (baseline and recommendation, in round order), since
+the fifteenth session those rounds continued past the study's stop to ten, as its worker
+would have run them (`benchmarks.claims.more_rounds`), the time its search and its
+confirmation trials took, and the plain training loop's speedup read side by side right
+after the study (`benchmarks.reference`). A stop rule only decides after how many of those
+rounds to stop; the readings do not depend on it. So every rule can be replayed on the same
+recorded rounds with the study's own code (`_confirm._settled`, asked after each round as
+the worker asks it), and compared on what the issue counts:
 
 - the claim (the geometric mean of the rounds up to the stop, `paired_speedup`) against the
   plain loop's: the median absolute log error, and how often the stated interval covers it;
 - the confirmation's share of the time spent in trials, estimated as the search trials'
-  time plus the recorded confirmation time scaled by the rounds kept (runs recorded before
-  the fresh process was started beside the worker's start-up paid its start, about 2.7 s,
-  in their first confirmation trial: spread over the rounds here, so their shares are a
-  little high for today's service);
+  time plus the study's own time per confirmation round times the rounds kept (runs
+  recorded before the fresh process was started beside the worker's start-up paid its
+  start, about 2.7 s, in their first confirmation trial: spread over the rounds here, so
+  their shares are a little high for today's service);
 - how many claims end "faster" (the stated interval above 1);
 - the rounds run.
 
 A rule that would have run past a study's recorded rounds is replayed to their end and
-counted (``short``): its figures are then a bound. Only studies whose confirmation trials ran
-in a fresh process (``confirm_process = "fresh"``) are worth replaying for that default.
-Run: ``python -m benchmarks.stopping [FILE ...]`` (default: the fresh-process claims on
-record in benchmarks/data).
+counted (``short``): its figures are then a bound. (The continued rounds ran a minute after
+the study's own, in the same kind of process: a little of the machine's moment may differ.)
+Only studies whose confirmation trials ran in a fresh process (``confirm_process =
+"fresh"``) are worth replaying for that default. Run: ``python -m benchmarks.stopping [FILE
+...]`` (default: the fresh-process claims on record in benchmarks/data).
 """
 
 from __future__ import annotations
@@ -69,11 +72,13 @@ class Recorded:
     """One study's confirmation rounds as a claims run stored them."""
 
     name: str
+    # Per round: the study's own rounds, then those the claims run measured after its stop
+    # (`benchmarks.claims.more_rounds`, where it did).
     baseline: tuple[float, ...]
     recommended: tuple[float, ...]
     loop: float  # the plain loop's speedup, side by side after the study
     search_s: float
-    confirmation_s: float
+    round_s: float  # one of the study's own rounds (its confirmation time over its rounds)
 
 
 @dataclass(frozen=True)
@@ -91,16 +96,20 @@ def recorded(paths: Sequence[Path]) -> list[Recorded]:
     for path in paths:
         data: dict[str, Any] = json.loads(path.read_text())
         for study in data["claims"]["studies"]:
+            if study["side_by_side"] is None:  # it kept its baseline: nothing was compared
+                continue
             readings = study["study_readings"]
+            more = study.get("more_rounds") or {"baseline": [], "recommended": []}
             confirmation = study["confirmation"]
+            rounds = min(len(readings["baseline"]), len(readings["recommended"]))
             found.append(
                 Recorded(
                     f"{path.stem} seed {study['seed']}",
-                    tuple(readings["baseline"]),
-                    tuple(readings["recommended"]),
+                    (*readings["baseline"][:rounds], *more["baseline"]),
+                    (*readings["recommended"][:rounds], *more["recommended"]),
                     study["side_by_side"]["speedup"],
                     confirmation["trials_s"] - confirmation["confirmation_s"],
-                    confirmation["confirmation_s"],
+                    confirmation["confirmation_s"] / rounds,
                 )
             )
     return found
@@ -122,7 +131,7 @@ def replay(study: Recorded, rule: ConfirmSettings) -> Replayed:
     ratios = [r / b for r, b in zip(study.recommended[:kept], study.baseline[:kept], strict=True)]
     claim = paired_speedup(ratios, rule.block_test)
     assert claim is not None, "every study on record measured at least its minimum rounds"
-    confirmation = study.confirmation_s * kept / total
+    confirmation = study.round_s * kept
     return Replayed(
         kept,
         stop is None,

@@ -162,6 +162,16 @@ def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
             assert study["covered"] == (low <= measured["speedup"] <= high)
         share = study["confirmation"]
         assert 0 <= share["confirmation_s"] <= share["trials_s"] and 0 <= share["share"] <= 1
+        # The rounds continued past the study's stop, as its worker would have run them.
+        if 0 < study["confirmation_rounds"] < claims["extend_to"]:
+            more = study["more_rounds"]
+            left = claims["extend_to"] - study["confirmation_rounds"]
+            assert len(more["baseline"]) == len(more["recommended"]) == left
+            assert min(more["baseline"] + more["recommended"]) > 0
+    # The stop rules replay on them: the study's own rounds, then the continued ones.
+    for recorded in stopping.recorded([tmp_path / "all.json"]):
+        assert len(recorded.baseline) == len(recorded.recommended) <= claims["extend_to"]
+        assert 1 <= stopping.replay(recorded, stopping.NOW).rounds <= len(recorded.baseline)
 
     # Agreement: the trial runner (forked, and in a kept fresh process), the same trial in a
     # new process and the reference loop, each setting by all four, every round.
