@@ -9,11 +9,13 @@ the reference loop (`benchmarks.reference`: a plain training loop, a fresh proce
 reading, sharing no code with the service's trial runner, so a bias of the runner cannot hide
 in both sides), each round both settings in alternating order. The side-by-side speedup is
 the geometric mean of the per-round ratios, with its own 95% interval. Interleaved into the
-same rounds, each setting is also read by the service's own runner from this process (the
-study's worker, as its confirmation trials were: `benchmarks.ground_truth.measure`), so a
+same rounds, each setting is also read by the service's own runner as the study's worker ran
+its confirmation trials (`confirming`: forked from a fresh process kept for the rounds, by
+default; before the fifteenth session, forked from this process, the study's worker), so a
 claim's error splits into what the runner reads differently from the plain loop at the same
-time and what changed between the study's rounds and the check. Also per study: the
-confirmation rounds' share of the time its trials took.
+time and what changed between the study's rounds and the check. The study's own rounds are
+also continued to ten after it stops (`more_rounds`), for `benchmarks.stopping`. Also per
+study: the confirmation rounds' share of the time its trials took.
 
 Figures: per study, the claim, its interval, the side-by-side speedup, the claim error
 (claim / side-by-side - 1) and whether the claimed interval covers the side-by-side estimate;
@@ -22,11 +24,12 @@ over the studies, the median absolute claim error and the coverage.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,31 @@ from loader_search.workloads import Workload, load_workload
 EXTEND_TO = 10
 
 
+@contextlib.contextmanager
+def confirming(
+    config: StudyConfig, workload: Workload
+) -> Iterator[Callable[[LoaderParams], float]]:
+    """A reader of one setting's throughput as the study's worker ran its confirmation
+    trials (`benchmarks.ground_truth.measure`, shortened at the early-stop mark): each trial
+    forked from a fresh process kept for the readings, built before the first
+    (``confirm_process = "fresh"``, the default), or forked from this process ("fork")."""
+    fresh = config.confirm_process == "fresh"
+    with FreshHost() as host:
+        if fresh:
+            host.prepare(WorkloadRecipe(config.workload, dict(config.workload_options)), "cpu")
+            if (failed := host.settle()) is not None:
+                raise RuntimeError(f"the fresh process for confirmation trials failed: {failed}")
+
+        def read(params: LoaderParams) -> float:
+            kept = host if fresh else None
+            row = measure(workload, config, params, ceiling=False, stop_early=True, host=kept)
+            if "throughput" not in row:
+                raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
+            return float(row["throughput"])
+
+        yield read
+
+
 def side_by_side(
     config_path: Path,
     config: StudyConfig,
@@ -70,35 +98,34 @@ def side_by_side(
     """``rounds`` paired rounds of the two settings through the reference loop
     (`benchmarks.reference`: a plain training loop in a fresh process, no code of the trial
     runner), alternating which goes first. With ``workload``, each round also reads both
-    settings with the service's runner (a confirmation trial forked from this process), the
-    round's four readings in a shuffled order."""
+    settings with the service's runner as the study ran its confirmation trials
+    (`confirming`), the round's four readings in a shuffled order."""
     settings = {"baseline": baseline, "recommended": candidate}
     methods = ("reference", "runner") if workload is not None else ("reference",)
     rng = random.Random(seed)
     readings: dict[str, dict[str, list[float]]] = {m: {n: [] for n in settings} for m in methods}
     faults: dict[str, list[float]] = {"baseline": [], "recommended": []}
-    for round_ in range(rounds):
-        if workload is None:
-            jobs = [("reference", "baseline"), ("reference", "recommended")]
-            if round_ % 2:
-                jobs.reverse()
-        else:
-            jobs = [(method, name) for method in methods for name in settings]
-            rng.shuffle(jobs)
-        for method, name in jobs:
-            params = settings[name]
-            if method == "runner":
-                assert workload is not None
-                row = measure(workload, config, params, ceiling=False, stop_early=True)
-                if "throughput" not in row:
-                    raise RuntimeError(f"{params.describe()} failed: {row.get('failure')}")
-                readings[method][name].append(float(row["throughput"]))
-                continue
-            value = reference.reading(
-                config_path, params.as_dict(), config.workload_options, **(window or {})
-            )
-            readings[method][name].append(value["throughput"])
-            faults[name].append(value["faults_per_batch"])
+    with contextlib.ExitStack() as stack:
+        read = stack.enter_context(confirming(config, workload)) if workload else None
+        for round_ in range(rounds):
+            if read is None:
+                jobs = [("reference", "baseline"), ("reference", "recommended")]
+                if round_ % 2:
+                    jobs.reverse()
+            else:
+                jobs = [(method, name) for method in methods for name in settings]
+                rng.shuffle(jobs)
+            for method, name in jobs:
+                params = settings[name]
+                if method == "runner":
+                    assert read is not None
+                    readings[method][name].append(read(params))
+                    continue
+                value = reference.reading(
+                    config_path, params.as_dict(), config.workload_options, **(window or {})
+                )
+                readings[method][name].append(value["throughput"])
+                faults[name].append(value["faults_per_batch"])
     speedups = {}
     for method in methods:
         ratios = [
@@ -269,8 +296,8 @@ def one_study(
     db.unlink(missing_ok=True)
     started = time.perf_counter()
     storage = f"sqlite:///{db}"
-    # The runner's readings (`side_by_side`) are forked from this process, the study's worker,
-    # as its trials were (its confirmation trials: unless `study.confirm_process = "fresh"`).
+    # With `study.confirm_process = "fork"`, the runner's readings (`confirming`) are forked
+    # from this process, the study's worker, as its confirmation trials were.
     workload = load_workload(config.workload, config.workload_options)
     beside = None
     if beside_rounds:
@@ -358,33 +385,17 @@ def more_rounds(
 ) -> dict[str, Any]:
     """The study's confirmation rounds continued past its stop: rounds ``done`` to ``until``
     - 1 of ``settings`` (baseline first), each trial run as the study's worker ran its
-    confirmation trials (forked from a fresh process, or from this process where the config
-    says ``confirm_process = "fork"``), the two in the order the rounds rotate. What a stop
+    confirmation trials (`confirming`), the two in the order the rounds rotate. What a stop
     rule that ran on would have read: `benchmarks.stopping` replays any rule on the rounds
     with these after them. Taken right after the study, before the reference loop."""
     readings: dict[str, list[float]] = {name: [] for name in settings}
     started = time.perf_counter()
-    fresh = config.confirm_process == "fresh"
-    with FreshHost() as host:
-        if fresh:
-            host.prepare(WorkloadRecipe(config.workload, dict(config.workload_options)), "cpu")
-            if (failed := host.settle()) is not None:
-                raise RuntimeError(f"the fresh process for more rounds failed: {failed}")
+    with confirming(config, workload) as read:
         for round_ in range(done, until):
             names = list(settings)
             shift = round_ % len(names)  # `Rounds.order`'s rotation
             for name in names[shift:] + names[:shift]:
-                row = measure(
-                    workload,
-                    config,
-                    settings[name],
-                    ceiling=False,
-                    stop_early=True,
-                    host=host if fresh else None,
-                )
-                if "throughput" not in row:
-                    raise RuntimeError(f"{settings[name].describe()} failed: {row.get('failure')}")
-                readings[name].append(float(row["throughput"]))
+                readings[name].append(read(settings[name]))
     return {**readings, "s": time.perf_counter() - started}
 
 
