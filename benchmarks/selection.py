@@ -7,13 +7,13 @@ times each reading's own noise. Two candidates, true speedups given per case; th
 single readings (each with a drift of its own) choose which of them beat the baseline and
 their order, as a study's do. It prints, per case and noise level and per rule (a race of two
 candidates, the same without the futility stop `ConfirmSettings.futility`, and no race:
-``top`` 1, the default; all three with the study's default cap and futility; and no race
-under the rule before them, futility 0.1, with a cap of 10, and with the blocks' test before
-the F test, for comparison): the median and mean of stated / true speedup and the median of
-|log(stated / true)| (issue 27's claim error, against the truth itself) for the claim as
-stated (the leader's rounds after the race, `Rounds.claims`) and for the same studies' claim
-from every round of the leader (the race's round included, `Rounds.speedups`), how often
-each interval covers the truth, how
+``top`` 1, the default; all three with the study's default minimum, cap and futility; and
+no race under the rules before them (at least 3 rounds; also with the blocks' test before
+the F test; also with futility 0.1) and with a cap of 10, for comparison): the median and
+mean of stated / true speedup and the median of |log(stated / true)| (issue 27's claim
+error, against the truth itself) for the claim as stated (the leader's rounds after the
+race, `Rounds.claims`) and for the same studies' claim from every round of the leader (the
+race's round included, `Rounds.speedups`), how often each interval covers the truth, how
 often the verdict is "faster", how often the leader is truly the fastest and its true speed
 over the fastest's (what the choice costs), and the trials the rounds took. Nothing is
 timed: no machine noise, only the statistics of the rules (issue 27's winner's curse and the
@@ -68,15 +68,18 @@ RULES = {
     "race of 2": SETTINGS,
     "race of 2, no futility stop": dataclasses.replace(SETTINGS, futility=0.0),
     "no race (top 1)": dataclasses.replace(SETTINGS, top=1),
-    # The default's rule before the fourteenth session: 15 rounds, futility below 10%; and a
-    # shorter cap, weighed in it (benchmarks/stopping.py).
-    "no race, cap 15, futility 0.1": dataclasses.replace(
-        SETTINGS, top=1, max_rounds=15, futility=0.1
+    # The default's rules before: at least 3 rounds (before the fifteenth session), with the
+    # blocks' test of the day too (Cochran's Q against its chi-square quantile, which flagged
+    # pure noise as a moved machine in 18-30% of studies), and futility below 10% (before
+    # the fourteenth); a shorter cap, weighed in it (benchmarks/stopping.py).
+    "no race, at least 3 rounds": dataclasses.replace(SETTINGS, top=1, min_rounds=3),
+    "no race, at least 3 rounds, chi-square blocks": dataclasses.replace(
+        SETTINGS, top=1, min_rounds=3, block_test="chi2"
+    ),
+    "no race, 3 rounds, chi-square, futility 0.1": dataclasses.replace(
+        SETTINGS, top=1, min_rounds=3, block_test="chi2", futility=0.1
     ),
     "no race, cap 10": dataclasses.replace(SETTINGS, top=1, max_rounds=10),
-    # The blocks' test before the fifteenth session: Cochran's Q against its chi-square
-    # quantile, which flagged pure noise as a moved machine in 18-30% of studies.
-    "no race, chi-square blocks": dataclasses.replace(SETTINGS, top=1, block_test="chi2"),
 }
 NOISE = (0.08, 0.15)  # each reading's own log-normal noise
 DRIFT = 0.1  # the machine's log-normal drift, shared by the readings of one round
