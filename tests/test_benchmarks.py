@@ -248,7 +248,7 @@ def test_scale_run_of_real_workers_on_a_real_server(backend: str, tmp_path: Path
 def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
     # The fresh-process claims runs on record stopped under the rule of their day (cap 15,
     # futility 0.1; cap 10, futility 0.3; cap 15, futility 0.3; all at least 3 rounds, with
-    # the chi-square test of the blocks, then the F test):
+    # the chi-square test of the blocks, then the F test; then at least 4 rounds):
     # replayed on their own readings, each stops where its studies stopped, and claims what
     # they claimed.
     before = stopping.RULES["min 3, cap 15, futility 0.1, chi-square blocks"]
@@ -259,6 +259,7 @@ def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
         "claims_amd_6": stopping.CHI2,
         "claims_amd_7": stopping.THREE,
         "claims_amd_8": stopping.THREE,
+        "claims_amd_9": stopping.NOW,
     }
     assert set(of_their_day) == set(stopping.FRESH_RUNS)
     for name, rule in of_their_day.items():
