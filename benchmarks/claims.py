@@ -419,7 +419,9 @@ def run(
     config = load_config(config_path)
     window = None
     if quick:
-        config = replace(quick_config(config), trials=6, confirm_max_rounds=3)
+        config = replace(
+            quick_config(config), trials=6, confirm_min_rounds=3, confirm_max_rounds=3
+        )
         window = dict(reference.QUICK_WINDOW)
         studies, rounds, extend_to = 2, 2, min(extend_to, 4)
     folder = Path(workdir or tempfile.mkdtemp(prefix="loader-search-claims-"))

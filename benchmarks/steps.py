@@ -182,7 +182,7 @@ def standin(out: Path, quick: bool) -> dict[str, Any]:
 
     base = load_config(ROOT / STANDIN)
     if quick:
-        base = replace(quick_config(base), trials=6, confirm_max_rounds=3)
+        base = replace(quick_config(base), trials=6, confirm_min_rounds=3, confirm_max_rounds=3)
     rows = []
     started = time.perf_counter()
     for device_us in DEVICE_US:

@@ -46,8 +46,8 @@ from typing import Literal
 
 Verdict = Literal["faster", "no_reliable_gain"]
 # How the blocks' disagreement is tested (`_between_blocks`): "f", the one-way analysis of
-# variance's F test; "chi2", Cochran's Q against its chi-square quantile, the test before the
-# fifteenth session, kept so that the studies recorded under it replay as they ran
+# variance's F test; "chi2", Cochran's Q against its chi-square quantile, the test until
+# 2026-12-06, kept so that the studies recorded under it replay as they ran
 # (benchmarks/stopping.py).
 BlockTest = Literal["f", "chi2"]
 FASTER: Verdict = "faster"
