@@ -164,9 +164,9 @@ def table(studies: Sequence[Recorded]) -> str:
         f"{len(studies)} studies on record (fresh-process confirmation), each rule replayed"
         " on their recorded rounds:",
         "",
-        "| rule | median claim error | worst | covered | said faster | confirmation share,"
-        " median (range) | rounds, median (range) | ran out of rounds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rule | median claim error | worst | mean log error | covered | said faster |"
+        " confirmation share, median (range) | rounds, median (range) | ran out of rounds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rule in RULES.items():
         done = [replay(study, rule) for study in studies]
@@ -175,6 +175,7 @@ def table(studies: Sequence[Recorded]) -> str:
         rounds = [r.rounds for r in done]
         lines.append(
             f"| {name} | {statistics.median(errors):.1%} | {max(errors):.1%} |"
+            f" {statistics.fmean(r.error for r in done):+.1%} |"
             f" {sum(r.covered for r in done)} of {len(done)} |"
             f" {sum(r.faster for r in done)} of {len(done)} |"
             f" {statistics.median(shares):.0%} ({min(shares):.0%}-{max(shares):.0%}) |"
@@ -221,16 +222,18 @@ def resampled_table(studies: Sequence[Recorded], draws: int) -> str:
         f"Each rule on resampled rounds: {len(drawn) // draws} studies with at least"
         f" {MIN_RESAMPLED} rounds on record, {draws} draws each of {NOW.max_rounds} rounds with"
         " replacement from its own; the truth is the mean of all its rounds (the rule's own"
-        " error: no moment, no loop noise):",
+        " error: no moment, no loop noise; a mean log error is the rule's own bias, as a rule"
+        " that stopped on rounds that read high would have):",
         "",
-        "| rule | median claim error | covered | said faster | confirmation share, median"
-        " | rounds, mean |",
-        "|---|---|---|---|---|---|",
+        "| rule | median claim error | mean log error | covered | said faster | confirmation"
+        " share, median | rounds, mean |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rule in RULES.items():
         done = [replay(study, rule) for study in drawn]
         lines.append(
             f"| {name} | {statistics.median(abs(r.error) for r in done):.1%}"
+            f" | {statistics.fmean(r.error for r in done):+.2%}"
             f" | {statistics.fmean(r.covered for r in done):.1%}"
             f" | {statistics.fmean(r.faster for r in done):.0%}"
             f" | {statistics.median(r.share for r in done):.0%}"
