@@ -237,8 +237,9 @@ def test_a_database_restart_loses_no_result(
         assert worker.wait() == 0, worker.output
     study = _assert_budget_honoured(postgres_db, budget)
     # No result was lost: no trial was failed as stale and retried, none failed at all.
-    assert not [t for t in study.trials if "failed_trial" in t.system_attrs]
-    assert not study.get_trials(states=(TrialState.FAIL,))
+    outputs = "\n".join(worker.output for worker in workers)
+    assert not [t for t in study.trials if "failed_trial" in t.system_attrs], outputs
+    assert not study.get_trials(states=(TrialState.FAIL,)), outputs
     done_after = [
         (t.datetime_complete - back_wall).total_seconds()
         for t in study.trials
@@ -384,6 +385,50 @@ def test_a_result_written_during_an_outage_is_kept(
     assert stored.values == [result.throughput_samples_per_s, result.val_loss]
     assert stored.constraints == {"feasible": 0.0}
     assert waited >= 2.5  # it really waited for the server
+
+
+def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(postgres_db: str) -> None:
+    """The database stops just after a worker took a trial, before its settings are stored
+    (no heartbeat thread runs yet): the worker keeps the trial, writing its heartbeat on
+    every try and trying no less often than the heartbeat thread would, so that a team's sweep
+    after a short outage does not fail it as stale and run it again."""
+    from loader_search.params import WorkersSettings
+    from loader_search.study._heartbeats import beating
+    from loader_search.study._keys import DIRECTIONS
+    from loader_search.study._optuna_compat import trial_id
+    from loader_search.team._storage import open_storage
+
+    workers = WorkersSettings(heartbeat_interval_s=1, grace_period_s=4)
+    storage = open_storage(postgres_db, workers=workers)
+    study = optuna.create_study(study_name="taken", storage=storage, directions=list(DIRECTIONS))
+    trial = study.ask()
+    storage.record_heartbeat(trial_id(trial))
+    pauses: list[float] = []
+    subprocess.run(_pg_ctl("stop"), check=True, capture_output=True, timeout=120)
+    restart = threading.Timer(
+        3.0, lambda: subprocess.run(_pg_ctl("start"), check=True, timeout=120)
+    )
+    restart.start()
+    try:
+        started = time.monotonic()
+        beating(
+            storage,
+            trial_id(trial),
+            lambda: trial.set_user_attr("stored", True),
+            workers.heartbeat_interval_s,
+            lambda _, pause: pauses.append(pause),
+        )
+        waited = time.monotonic() - started
+    finally:
+        restart.join()
+        _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
+    assert waited >= 2.5  # it really waited for the server
+    # Never silent for longer than the heartbeat thread (retrying's own backoff reaches 10 s).
+    assert pauses and max(pauses) <= workers.heartbeat_interval_s
+    optuna.storages.fail_stale_trials(study)  # a sweep right after: the trial is alive
+    (stored,) = optuna.load_study(study_name="taken", storage=postgres_db).trials
+    assert stored.state == TrialState.RUNNING
+    assert stored.user_attrs == {"stored": True}
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ While a trial trains, a thread writes its heartbeat (`Every`). A trial whose wor
 (SIGKILL, lost machine) stops beating; after the grace period a sweeper thread, which every
 worker runs even while its own trial trains, fails it (`fail_stale_trials`) and
 `RetryStaleTrial` queues it again with the same settings (a bounded number of times). `Health`
-keeps a sweep from failing live trials right after a database outage.
+keeps a sweep from failing live trials right after a database outage, and `beating` keeps a
+trial taken but not yet training alive through one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -25,6 +27,9 @@ from loader_search.study._keys import (
     MODEL_ROUND_ATTR,
     RETRY_HISTORY,
 )
+from loader_search.team._db_errors import retrying
+
+T = TypeVar("T")
 
 # What a retry copies of the dead trial's attrs: what it is, not what it half-measured.
 # A retried model trial keeps its round, so the next round waits for it.
@@ -86,6 +91,29 @@ class Health:
 
     def quiet_for(self) -> float:
         return time.monotonic() - self._last_error
+
+
+def beating(
+    storage: optuna.storages.RDBStorage,
+    trial_id: int,
+    call: Callable[[], T],
+    interval_s: float,
+    on_retry: Callable[[BaseException, float], None] | None = None,
+) -> T:
+    """``call`` for a RUNNING trial that no heartbeat thread (`Every`) keeps alive: the
+    trial's heartbeat written before each try, and both tried again while the database is
+    unreachable, no less often than the thread would write (every ``interval_s``). So an
+    outage costs the trial no more than it costs one whose thread runs: a team's sweep after
+    it does not fail the trial as stale (which would run it again) so long as the outage was
+    shorter than the grace period. A worker that gave up on the trial instead would leave it
+    RUNNING, to be failed as stale and run again, or, without a heartbeat, never found stale
+    at all."""
+
+    def once() -> T:
+        storage.record_heartbeat(trial_id)
+        return call()
+
+    return retrying(once, on_retry=on_retry, max_pause_s=interval_s)
 
 
 def fail_stale_trials(study: optuna.Study, health: Health, grace_period_s: float) -> None:

@@ -36,7 +36,7 @@ from loader_search.study._budget import (
 )
 from loader_search.study._events import Reporter, Session
 from loader_search.study._guide import Guide, Proposal
-from loader_search.study._heartbeats import Health, fail_stale_trials
+from loader_search.study._heartbeats import Health, beating, fail_stale_trials
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
@@ -61,7 +61,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._machine import hardware_mismatch
 from loader_search.study._optuna_compat import trial_id
-from loader_search.study._pipeline import PipelineSnapshot
+from loader_search.study._pipeline import PipelineModel, PipelineSnapshot
 from loader_search.study._record import record_interrupted
 from loader_search.study._timings import Clock
 from loader_search.study._trials import write_user_attrs
@@ -91,9 +91,20 @@ class Worker:
         _worker): the session's."""
         return self.session.fresh
 
-    def retrying(self, call: Callable[[], T]) -> T:
+    def retrying(self, call: Callable[[], T], max_pause_s: float = 10.0) -> T:
         """``call``, tried again while the database is unreachable, each wait reported."""
-        return retrying(call, on_retry=self.unreachable)
+        return retrying(call, on_retry=self.unreachable, max_pause_s=max_pause_s)
+
+    def beating(self, trial: optuna.Trial, call: Callable[[], T]) -> T:
+        """``call`` for the taken ``trial`` before its heartbeat thread runs
+        (`loader_search.study._heartbeats.beating`)."""
+        return beating(
+            self.session.rdb,
+            trial_id(trial),
+            call,
+            self.session.config.workers.heartbeat_interval_s,
+            self.unreachable,
+        )
 
     def unreachable(self, exc: BaseException, pause: float) -> None:
         self.health.failed()
@@ -113,8 +124,10 @@ def take_trial(
     queue what the decision asks for, and create (or pop) the trial, which then counts
     against the budget. Its first heartbeat is written at once: a RUNNING trial with no
     heartbeat would never be found stale. Sampling its settings and storing what it will
-    run come after the lock. Should anything fail between taking it and returning it, it is
-    failed without a reason (no budget used) rather than left RUNNING.
+    run come after the lock. An unreachable database is waited out with the trial, its
+    heartbeat written on every try (`Worker.beating`); should anything else fail between
+    taking it and returning it, it is failed without a reason (no budget used) rather than
+    left RUNNING.
     """
     session = worker.session
     study = session.study
@@ -145,42 +158,22 @@ def take_trial(
         _queue(session, decision)
         trial = study.ask()
         try:
-            session.rdb.record_heartbeat(trial_id(trial))
+            # Its first heartbeat, at once: a RUNNING trial with no heartbeat is never
+            # found stale.
+            worker.beating(trial, lambda: None)
         except BaseException:
             with contextlib.suppress(Exception):
                 study.tell(trial, state=TrialState.FAIL)
             raise
+    # From here on an outage is waited out with this trial (`Worker.beating`), not by
+    # taking another.
     try:
         if guide is not None and not asks:
             model = guide.model(trials)
-        if guide is not None and model is not None:
-            _store_pipeline(session, attrs, guide.snapshot(trials, model))
-        plain = bool(
-            trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR)
+        snapshot = (
+            guide.snapshot(trials, model) if guide is not None and model is not None else None
         )
-        with warnings.catch_warnings():  # main thread only
-            # A queued value outside the space: Optuna warns and runs it; `problem` refuses.
-            warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
-            try:
-                params = session.space.suggest(trial)
-                # The baseline (num_workers=0) may sit outside a searched range.
-                refused = session.space.problem(params, baseline=plain)
-            except ValueError as exc:  # a queued value that is none of a choice's options
-                refused = f"{exc}"
-        if refused is not None:
-            _refuse(worker, trial, refused)
-            return Refused(trial.number, refused)
-        stored: dict[str, Any] = {
-            PARAMS_ATTR: params.as_dict(),
-            WORKER_ATTR: worker.name,
-            HARDWARE_CLASS_ATTR: session.hardware.hardware_class,
-            HARDWARE_ATTR: session.hardware.as_dict(),
-        }
-        if model is not None:  # what the model expects, to check it once measured
-            prediction = model.predict(params)
-            stored[PREDICTED_ATTR] = prediction.throughput
-            stored[PREDICTED_BOTTLENECK_ATTR] = prediction.bottleneck
-        write_user_attrs(trial, stored)
+        return worker.beating(trial, lambda: _prepare(worker, trial, attrs, model, snapshot))
     except KeyboardInterrupt:
         record_interrupted(study, trial)
         raise
@@ -188,6 +181,44 @@ def take_trial(
         with contextlib.suppress(Exception):
             study.tell(trial, state=TrialState.FAIL)
         raise
+
+
+def _prepare(
+    worker: Worker,
+    trial: optuna.Trial,
+    attrs: Mapping[str, Any],
+    model: PipelineModel | None,
+    snapshot: PipelineSnapshot | None,
+) -> tuple[optuna.Trial, LoaderParams] | Refused:
+    """Sample the taken ``trial``'s settings and store what it will run (after the lock;
+    each step may be tried again)."""
+    session = worker.session
+    if snapshot is not None:
+        _store_pipeline(session, attrs, snapshot)
+    plain = bool(trial.user_attrs.get(BASELINE_ATTR) or trial.user_attrs.get(CONFIRMATION_ATTR))
+    with warnings.catch_warnings():  # main thread only
+        # A queued value outside the space: Optuna warns and runs it; `problem` refuses.
+        warnings.filterwarnings("ignore", "Fixed parameter", UserWarning)
+        try:
+            params = session.space.suggest(trial)
+            # The baseline (num_workers=0) may sit outside a searched range.
+            refused = session.space.problem(params, baseline=plain)
+        except ValueError as exc:  # a queued value that is none of a choice's options
+            refused = f"{exc}"
+    if refused is not None:
+        _refuse(worker, trial, refused)
+        return Refused(trial.number, refused)
+    stored: dict[str, Any] = {
+        PARAMS_ATTR: params.as_dict(),
+        WORKER_ATTR: worker.name,
+        HARDWARE_CLASS_ATTR: session.hardware.hardware_class,
+        HARDWARE_ATTR: session.hardware.as_dict(),
+    }
+    if model is not None:  # what the model expects, to check it once measured
+        prediction = model.predict(params)
+        stored[PREDICTED_ATTR] = prediction.throughput
+        stored[PREDICTED_BOTTLENECK_ATTR] = prediction.bottleneck
+    write_user_attrs(trial, stored)
     return trial, params
 
 

@@ -142,15 +142,16 @@ def retrying(
     *,
     deadline_s: float = 300.0,
     on_retry: Callable[[BaseException, float], None] | None = None,
+    max_pause_s: float = 10.0,
 ) -> T:
     """Run ``action``, retrying while the database is unreachable (up to ``deadline_s``).
 
     A trial that finished while the database restarted must keep its result: its writes are
-    retried with backoff (0.5 s doubling to 10 s) instead of being lost. ``on_retry``
-    receives the error and the seconds until the next try.
+    retried with backoff (0.5 s doubling to ``max_pause_s``) instead of being lost.
+    ``on_retry`` receives the error and the seconds until the next try.
     """
     start = time.monotonic()
-    pause = 0.5
+    pause = min(0.5, max_pause_s)
     while True:
         try:
             return action()
@@ -160,7 +161,7 @@ def retrying(
             if on_retry is not None:
                 on_retry(exc, pause)
             interrupts.sleep(pause)  # Ctrl-C ends the wait
-            pause = min(pause * 2, 10.0)
+            pause = min(pause * 2, max_pause_s)
 
 
 def first_line(exc: BaseException) -> str:
