@@ -91,9 +91,9 @@ class Worker:
         _worker): the session's."""
         return self.session.fresh
 
-    def retrying(self, call: Callable[[], T], max_pause_s: float = 10.0) -> T:
+    def retrying(self, call: Callable[[], T]) -> T:
         """``call``, tried again while the database is unreachable, each wait reported."""
-        return retrying(call, on_retry=self.unreachable, max_pause_s=max_pause_s)
+        return retrying(call, on_retry=self.unreachable)
 
     def beating(self, trial: optuna.Trial, call: Callable[[], T]) -> T:
         """``call`` for the taken ``trial`` before its heartbeat thread runs
