@@ -3,6 +3,7 @@ PostgreSQL, MariaDB and SQLite databases (each test creates and drops its own da
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -269,6 +270,22 @@ def _pg_ctl(action: str) -> list[str]:
     return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", action]
 
 
+@contextlib.contextmanager
+def _postgres_down(seconds: float) -> Iterator[None]:
+    """The server stopped now and started again ``seconds`` later, while the block runs; on
+    leaving it, the server answers again."""
+    subprocess.run(_pg_ctl("stop"), check=True, capture_output=True, timeout=120)
+    restart = threading.Timer(
+        seconds, lambda: subprocess.run(_pg_ctl("start"), check=True, timeout=120)
+    )
+    restart.start()
+    try:
+        yield
+    finally:
+        restart.join()
+        _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
+
+
 def _postgres_answers() -> bool:
     import sqlalchemy
 
@@ -368,18 +385,10 @@ def test_a_result_written_during_an_outage_is_kept(
     params = LoaderParams(batch_size=16, num_workers=0, torch_threads=1)
     result = run_trial(tiny_workload, params, TrainingSettings(train_samples=256))
     outcome = TrialOutcome(result=result, failure=None, wall_s=1.0, startup_s=0.0)
-    subprocess.run(_pg_ctl("stop"), check=True, capture_output=True, timeout=120)
-    restart = threading.Timer(
-        3.0, lambda: subprocess.run(_pg_ctl("start"), check=True, timeout=120)
-    )
-    restart.start()
-    try:
+    with _postgres_down(3.0):
         started = time.monotonic()
         record(study, trial, outcome, retry_s=120)
         waited = time.monotonic() - started
-    finally:
-        restart.join()
-        _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
     stored = optuna.load_study(study_name="outage", storage=postgres_db).trials[0]
     assert stored.state == TrialState.COMPLETE
     assert stored.values == [result.throughput_samples_per_s, result.val_loss]
@@ -404,12 +413,7 @@ def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(postgres_db: str) 
     trial = study.ask()
     storage.record_heartbeat(trial_id(trial))
     pauses: list[float] = []
-    subprocess.run(_pg_ctl("stop"), check=True, capture_output=True, timeout=120)
-    restart = threading.Timer(
-        3.0, lambda: subprocess.run(_pg_ctl("start"), check=True, timeout=120)
-    )
-    restart.start()
-    try:
+    with _postgres_down(3.0):
         started = time.monotonic()
         beating(
             storage,
@@ -419,9 +423,6 @@ def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(postgres_db: str) 
             lambda _, pause: pauses.append(pause),
         )
         waited = time.monotonic() - started
-    finally:
-        restart.join()
-        _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
     assert waited >= 2.5  # it really waited for the server
     # Never silent for longer than the heartbeat thread (retrying's own backoff reaches 10 s).
     assert pauses and max(pauses) <= workers.heartbeat_interval_s
