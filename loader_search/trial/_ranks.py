@@ -148,8 +148,11 @@ def run_ranks(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _in_group(rank: RankContext, store: str, train_one: TrainOne) -> TrialResult:
-    """``train_one`` inside the process group (joined, then left)."""
+def _in_group(
+    rank: RankContext, store: str, train_one: TrainOne, *, leave_on_failure: bool = True
+) -> TrialResult:
+    """``train_one`` inside the process group (joined, then left; after a failure only with
+    ``leave_on_failure``)."""
     torch.distributed.init_process_group(
         rank.backend,
         store=torch.distributed.FileStore(store, rank.world),  # type: ignore[attr-defined]
@@ -158,10 +161,15 @@ def _in_group(rank: RankContext, store: str, train_one: TrainOne) -> TrialResult
         timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S),
     )
     try:
-        return train_one(rank)
-    finally:
-        with contextlib.suppress(Exception):
-            torch.distributed.destroy_process_group()
+        result = train_one(rank)
+    except BaseException:
+        if leave_on_failure:
+            with contextlib.suppress(Exception):
+                torch.distributed.destroy_process_group()
+        raise
+    with contextlib.suppress(Exception):
+        torch.distributed.destroy_process_group()
+    return result
 
 
 def _sibling_main(
@@ -171,7 +179,11 @@ def _sibling_main(
     die_with_parent(parent)
     code = 0
     try:
-        message: Ended = Trained(_in_group(rank, store, train_one), time.perf_counter())
+        # A failed rank does not leave the group: leaving can wait on the ranks still in a
+        # collective, and the failure would then reach rank 0 only as a trial that stopped
+        # making progress (a "timeout"). Its exit right after the report breaks their wait.
+        result = _in_group(rank, store, train_one, leave_on_failure=False)
+        message: Ended = Trained(result, time.perf_counter())
     except BaseException as exc:  # everything is reported; the process ends right after
         message, code = Failed(classify_exception(exc), time.perf_counter()), 1
     with contextlib.suppress(Exception):
