@@ -164,12 +164,15 @@ def _in_group(
         result = train_one(rank)
     except BaseException:
         if leave_on_failure:
-            with contextlib.suppress(Exception):
-                torch.distributed.destroy_process_group()
+            _leave_group()
         raise
+    _leave_group()
+    return result
+
+
+def _leave_group() -> None:
     with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()
-    return result
 
 
 def _sibling_main(
