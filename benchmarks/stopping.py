@@ -60,6 +60,7 @@ FRESH_RUNS = (
     "claims_amd_7",  # with the rounds continued to ten (`benchmarks.claims.more_rounds`)
     "claims_amd_8",
     "claims_amd_9",
+    "claims_amd_10",  # 24 side-by-side rounds a study
 )
 
 # The study's default rule (`StudyConfig`'s defaults, as the simulation runs them), no race.

@@ -260,6 +260,7 @@ def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
         "claims_amd_7": stopping.THREE,
         "claims_amd_8": stopping.THREE,
         "claims_amd_9": stopping.NOW,
+        "claims_amd_10": stopping.NOW,
     }
     assert set(of_their_day) == set(stopping.FRESH_RUNS)
     for name, rule in of_their_day.items():
