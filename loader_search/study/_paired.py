@@ -28,9 +28,9 @@ on two hosts, each followed minutes later by a plain training loop in a fresh pr
 claim's error beyond the noise of both, its mean taken out; benchmarks/RESULTS.md). On a
 machine whose rounds agree within 1%, the term is a fraction of 1%.
 What it does not cover: a systematic difference between a trial and the user's own loop (the
-benchmarks' claims read a mean 3.8% high against a plain loop over 35 studies with
-fresh-process confirmation, the runner itself 1.9% beside it; docs/how-it-works.md, "Known
-bias"), and a machine far quieter or busier than it was during the whole study.
+benchmarks' claims read a mean 4.0% high against a plain loop over 40 studies with
+fresh-process confirmation, the runner's speedup itself 3.5% beside it; docs/how-it-works.md,
+"Known bias"), and a machine far quieter or busier than it was during the whole study.
 
 Pure functions of the ratios; `loader_search.study._confirm` runs the rounds.
 """
