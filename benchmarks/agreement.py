@@ -11,7 +11,7 @@ reading of a round, not one method):
   "fork"``, its confirmation trials); with ``after_study`` this process first runs a study of
   the config, so that the trial forks from a worker's state;
 - ``host``: the same trial forked from a fresh process kept across the rounds
-  (`loader_search.trial._supervisor.FreshHost`), as a study's confirmation trial runs with
+  (`loader_search.trial.FreshHost`), as a study's confirmation trial runs with
   ``confirm_process = "fresh"``;
 - ``fresh``: the same trial, the same code and plan, run by a fresh Python process itself
   (``python -m benchmarks.agreement --one``: imports, the workload built, no fork), as a
@@ -48,7 +48,7 @@ from benchmarks.ground_truth import QUICKSTART, measure, measure_in_process, qui
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._paired import paired_speedup
-from loader_search.trial._supervisor import FreshHost
+from loader_search.trial import FreshHost
 from loader_search.workloads import load_workload
 
 METHODS = ("runner", "host", "fresh", "reference")

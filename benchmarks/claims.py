@@ -50,8 +50,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._paired import paired_speedup
 from loader_search.study._session import run_study
-from loader_search.trial._job import WorkloadRecipe
-from loader_search.trial._supervisor import FreshHost
+from loader_search.trial import FreshHost, WorkloadRecipe
 from loader_search.workloads import Workload, load_workload
 
 # Each study's confirmation rounds are continued to this many (`more_rounds`): what a stop

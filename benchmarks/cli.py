@@ -27,9 +27,9 @@ from benchmarks import (
     scale,
     speedup,
 )
+from loader_search._system import cpu_model, usable_cpus
 from loader_search.study._config import load_config
 from loader_search.study._points import TrialPoint, pareto_front
-from loader_search.trial._system import cpu_model, usable_cpus
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"

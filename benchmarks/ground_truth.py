@@ -31,9 +31,13 @@ from loader_search.params import LoaderParams, RunPlan
 from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._space import IntRange, default_torch_threads
 from loader_search.team._locks import host_lock
-from loader_search.trial._job import TrialJob, WorkloadRecipe
-from loader_search.trial._run import short_run_samples
-from loader_search.trial._supervisor import FreshHost, run_isolated
+from loader_search.trial import (
+    FreshHost,
+    TrialJob,
+    WorkloadRecipe,
+    run_isolated,
+    short_run_samples,
+)
 from loader_search.workloads import Workload, load_workload
 
 T = TypeVar("T")
@@ -132,7 +136,7 @@ def measure_in_process(config_path: Path, params: LoaderParams, *, quick: bool =
     """The throughput of ``params`` as `measure` reads it with ``stop_early`` and no ceiling
     (a confirmation trial), but run by this process itself, not forked: in a fresh process,
     the trial as a user's script trains (``quick``: the config shrunk by `quick_config`)."""
-    from loader_search.trial._run import run_trial
+    from loader_search.trial import run_trial
 
     config = load_config(config_path)
     if quick:

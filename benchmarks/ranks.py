@@ -150,8 +150,7 @@ def _samples(params: dict[str, Any]) -> int:
 def _runner(params: dict[str, Any], samples: int) -> float:
     from loader_search.params import LoaderParams
     from loader_search.study._config import load_config
-    from loader_search.trial._job import TrialJob
-    from loader_search.trial._supervisor import run_isolated
+    from loader_search.trial import TrialJob, run_isolated
     from loader_search.workloads import load_workload
 
     config = load_config(CONFIG)

@@ -75,7 +75,7 @@ def one(
 
     from loader_search.params import LoaderParams, RunPlan
     from loader_search.study._config import load_config
-    from loader_search.trial._run import run_trial
+    from loader_search.trial import run_trial
     from loader_search.workloads import load_workload
 
     study = load_config(ROOT / config)

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, RandomSampler, default_collate
 
 from loader_search.params import LoaderParams
-from loader_search.trial._loader import build_loader
+from loader_search.trial import build_loader
 from loader_search.workloads.synthetic_images import synthetic_images
 
 BATCH, WORKERS, PREFETCH = 64, 2, 2

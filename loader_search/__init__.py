@@ -30,8 +30,8 @@ _EXPORTS = {
     "init_study": "loader_search.study._session",
     "run_worker": "loader_search.study._session",
     "TrainingSettings": "loader_search.params",
-    "TrialResult": "loader_search.trial._run",
-    "run_trial": "loader_search.trial._run",
+    "TrialResult": "loader_search.trial",
+    "run_trial": "loader_search.trial",
     "Workload": "loader_search.workloads",
     "UserError": "loader_search.errors",
 }
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from loader_search.study._recommend import StudySummary
     from loader_search.study._session import init_study, run_study, run_worker
     from loader_search.study._space import CpuRange, IntRange, SearchSpace
-    from loader_search.trial._run import TrialResult, run_trial
+    from loader_search.trial import TrialResult, run_trial
     from loader_search.workloads import Workload
 
 

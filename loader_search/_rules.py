@@ -140,7 +140,7 @@ DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 
 def check_device(spec: str, key: str = "training.device") -> None:
     """The forms of a device a study may name; whether this machine has it is checked where
-    trials run (`loader_search.trial._system.resolve_device`)."""
+    trials run (`loader_search._system.resolve_device`)."""
     if not isinstance(spec, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,3})?", spec):
         raise ConfigError(key, spec, f"is not a device: use {DEVICES}")
 

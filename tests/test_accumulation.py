@@ -20,9 +20,7 @@ from loader_search.study._config import SamplerConfig, parse_config
 from loader_search.study._keys import stored_params
 from loader_search.study._record import fit_in_memory
 from loader_search.study._space import CpuRange
-from loader_search.trial._job import TrialJob
-from loader_search.trial._run import run_trial
-from loader_search.trial._supervisor import run_isolated
+from loader_search.trial import TrialJob, run_isolated, run_trial
 from loader_search.workloads import Workload
 from tests._datasets import activation_hungry
 

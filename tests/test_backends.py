@@ -17,9 +17,8 @@ from loader_search._snippets import dataloader_snippet
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import parse_config
 from loader_search.study._keys import stored_params
-from loader_search.trial._job import TrialJob
+from loader_search.trial import TrialJob, run_isolated
 from loader_search.trial._loader import ThreadLoader, build_loader
-from loader_search.trial._supervisor import run_isolated
 from loader_search.workloads.synthetic_images import synthetic_images
 
 SETTINGS = TrainingSettings(train_samples=512, batch_size=16, warmup_batches=1, eval_batch_size=64)

@@ -37,7 +37,7 @@ from loader_search.study._keys import (
     WORKER_ATTR,
 )
 from loader_search.study._take import Patience
-from loader_search.trial._failures import INTERRUPTED
+from loader_search.trial import INTERRUPTED
 
 NO_CONFIRM = ConfirmSettings(
     top=0, min_rounds=3, max_rounds=6, half_width=0.05, loss_tolerance=0.05

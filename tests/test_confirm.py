@@ -48,7 +48,7 @@ from loader_search.study._paired import (
     t_975,
 )
 from loader_search.study._recommend import NOT_CONFIRMED, VERDICTS, summarize_trials
-from loader_search.trial._failures import INTERRUPTED
+from loader_search.trial import INTERRUPTED
 
 BASE = LoaderParams(64, 0, torch_threads=2)
 FAST = LoaderParams(64, 2, 2, False, True, 1)  # the leader

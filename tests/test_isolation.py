@@ -25,6 +25,7 @@ import pytest
 
 from loader_search.errors import TrainingDiverged
 from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
+from loader_search.trial import TrialJob, WorkloadRecipe, run_trial
 from loader_search.trial._failures import (
     CRASHED,
     CUDA_OOM,
@@ -39,16 +40,9 @@ from loader_search.trial._failures import (
     classify_exception,
     classify_exit,
 )
-from loader_search.trial._job import TrialJob, WorkloadRecipe
+from loader_search.trial._fresh import FreshHost
 from loader_search.trial._processes import dead_worker_failure, exited
-from loader_search.trial._run import run_trial
-from loader_search.trial._supervisor import (
-    NO_LIMITS,
-    FreshHost,
-    _run_in_process,
-    can_isolate,
-    run_isolated,
-)
+from loader_search.trial._supervisor import NO_LIMITS, _run_in_process, can_isolate, run_isolated
 from loader_search.workloads import Workload
 from tests import _faults
 from tests.conftest import ROOT

@@ -67,3 +67,116 @@ def test_the_check_sees_an_import_going_up(tmp_path: Path) -> None:
         bad.unlink()
     assert found == [(2, "loader_search.study._keys")]
     assert _layer("loader_search.study._keys") < _layer("loader_search.trial._layer_probe_tmp")
+
+
+def _module_name(path: Path) -> str:
+    return path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at the top, inside a function or under
+    ``TYPE_CHECKING`` alike), each import resolved to the deepest module that exists."""
+    modules = {_module_name(p).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _module_name(path).removesuffix(".__init__")
+        targets = set()
+        for _, name in _imports(path):
+            while name not in modules and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name != me and not me.startswith(name + "."):  # not itself, not its package
+                targets.add(name)
+        graph[me] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _graph()
+    assert len(graph) > 80 and sum(map(len, graph.values())) > 100  # the walk saw the package
+    # A facade that names a layer's API re-exports from its own modules: not a circle.
+    faces = {name for name in graph if (PACKAGE.parent / name.replace(".", "/")).is_dir()}
+    assert _circles({m: t - faces for m, t in graph.items()}) == []
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+# The house's size rule: a module over this many lines does two jobs, a function over that
+# many is several steps that want names.
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 100
+
+
+def test_modules_and_functions_stay_small() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        relative = path.relative_to(PACKAGE.parent).as_posix()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{relative}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{relative}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == []
+
+
+# Packages that name their API in their __init__: code outside such a package imports from
+# that face, never from its private modules (tests may reach inside the package they test).
+FACED = ("trial",)
+
+
+def test_code_outside_a_package_imports_its_face() -> None:
+    wrong = []
+    roots = [PACKAGE, PACKAGE.parent / "benchmarks", PACKAGE.parent / "scripts"]
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            relative = path.relative_to(PACKAGE.parent).as_posix()
+            for line, name in _imports(path):
+                parts = name.split(".")
+                inside = (
+                    relative.startswith(f"loader_search/{parts[1]}/") if len(parts) > 1 else False
+                )
+                if (
+                    len(parts) > 2
+                    and parts[1] in FACED
+                    and parts[2].startswith("_")
+                    and not inside
+                ):
+                    wrong.append(f"{relative}:{line} imports {name}")
+    assert wrong == []

@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from loader_search._snippets import dataloader_snippet
 from loader_search.params import LoaderParams
-from loader_search.trial._loader import build_loader
+from loader_search.trial import build_loader
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,7 @@ import pytest
 
 from loader_search.errors import ConfigError
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
-from loader_search.trial._job import TrialJob, WorkloadRecipe
-from loader_search.trial._supervisor import FreshHost, run_isolated
+from loader_search.trial import FreshHost, TrialJob, WorkloadRecipe, run_isolated
 from tests._datasets import rank_fault, timed_workload
 
 TWO = TrainingSettings(train_samples=4096, ranks=2, warmup_batches=2)

@@ -35,7 +35,7 @@ from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
 from loader_search.study._session import create_session, run_study
 from loader_search.study._space import CpuRange, IntRange, SearchSpace
 from loader_search.study._worker import count_finished, fresh_recipe
-from loader_search.trial._job import WorkloadRecipe
+from loader_search.trial import WorkloadRecipe
 from loader_search.workloads import Workload
 
 TRAINING = TrainingSettings(train_samples=512, batch_size=16, eval_batch_size=64)

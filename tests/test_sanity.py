@@ -22,6 +22,7 @@ import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from loader_search._system import machine_busy_cpu_s
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
 from loader_search.study._config import SamplerConfig, StudyConfig
 from loader_search.study._confirm import DISTURBED_LOAD
@@ -43,8 +44,7 @@ from loader_search.study._plan import (
 from loader_search.study._points import TrialPoint, baseline_doubt, tolerance_limit
 from loader_search.study._session import run_study
 from loader_search.study._space import CpuRange, SearchSpace
-from loader_search.trial._run import run_trial
-from loader_search.trial._system import machine_busy_cpu_s
+from loader_search.trial import run_trial
 from loader_search.workloads import Workload
 
 TRAINING = TrainingSettings(train_samples=256, batch_size=16, eval_batch_size=64)

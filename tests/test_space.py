@@ -3,6 +3,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
+from loader_search._system import usable_cpus
 from loader_search.params import LoaderParams
 from loader_search.study._space import (
     CpuRange,
@@ -11,7 +12,6 @@ from loader_search.study._space import (
     default_torch_threads,
     power_of_two_steps,
 )
-from loader_search.trial._system import usable_cpus
 
 
 def _draw(space: SearchSpace, n: int, cpus: int, cuda: bool = False) -> list[LoaderParams]:

@@ -19,7 +19,7 @@ from torch import nn
 from loader_search._snippets import dataloader_snippet
 from loader_search.errors import ConfigError
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
-from loader_search.trial._run import run_trial
+from loader_search.trial import run_trial
 from loader_search.trial._step import (
     Step,
     check_step_settings,

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from loader_search._system import cgroup_cpu_limit, resolve_device, usable_cpus
 from loader_search.errors import UserError
-from loader_search.trial._system import _cgroup_cpu_limit, resolve_device, usable_cpus
 
 
 def test_usable_cpus_follow_the_affinity_mask() -> None:
@@ -21,9 +21,9 @@ def test_cgroup_quota_of_a_nested_group_counts(tmp_path: Path) -> None:
     (root / "cpu.max").write_text("max 100000\n")
     (root / "system.slice" / "cpu.max").write_text("400000 100000\n")
     (scope / "cpu.max").write_text("150000 100000\n")
-    assert _cgroup_cpu_limit(root, "0::/system.slice/job.scope\n") == 1.5
-    assert _cgroup_cpu_limit(root, "0::/system.slice\n") == 4.0
-    assert _cgroup_cpu_limit(root, "0::/\n") is None  # unlimited at the root
+    assert cgroup_cpu_limit(root, "0::/system.slice/job.scope\n") == 1.5
+    assert cgroup_cpu_limit(root, "0::/system.slice\n") == 4.0
+    assert cgroup_cpu_limit(root, "0::/\n") is None  # unlimited at the root
 
 
 def test_devices() -> None:

@@ -375,8 +375,7 @@ def test_a_result_written_during_an_outage_is_kept(
     from loader_search.study._keys import DIRECTIONS
     from loader_search.study._record import record
     from loader_search.team._storage import open_storage
-    from loader_search.trial._run import run_trial
-    from loader_search.trial._supervisor import TrialOutcome
+    from loader_search.trial import TrialOutcome, run_trial
 
     study = optuna.create_study(
         study_name="outage", storage=open_storage(postgres_db), directions=list(DIRECTIONS)

@@ -20,6 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from loader_search._system import (
+    cgroup_cpu_limit,
+    cgroup_memory_limit_bytes,
+    cpu_model,
+    resolve_device,
+    shm_bytes,
+    start_method,
+    total_ram_bytes,
+    usable_cpus,
+)
 from loader_search.errors import UserError
 from loader_search.study._fit import (
     SHM_FIX,
@@ -30,18 +40,7 @@ from loader_search.study._fit import (
 from loader_search.study._fit import (
     size_text as _size,
 )
-from loader_search.trial._ranks import resolve_ranks
-from loader_search.trial._supervisor import can_isolate
-from loader_search.trial._system import (
-    _cgroup_cpu_limit,
-    cgroup_memory_limit_bytes,
-    cpu_model,
-    resolve_device,
-    shm_bytes,
-    start_method,
-    total_ram_bytes,
-    usable_cpus,
-)
+from loader_search.trial import can_isolate, resolve_ranks
 
 if TYPE_CHECKING:
     from loader_search.study._config import StudyConfig
@@ -180,7 +179,7 @@ def _cpus() -> Check:
     except AttributeError:  # not Linux
         affinity = os.cpu_count() or 1
     host = os.cpu_count() or affinity
-    quota = _cgroup_cpu_limit()
+    quota = cgroup_cpu_limit()
     usable = usable_cpus()
     quota_text = "no cgroup CPU quota" if quota is None else f"cgroup quota {quota:g} CPUs"
     detail = f"{usable} usable: affinity {affinity} of {host} CPUs, {quota_text}"

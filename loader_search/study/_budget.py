@@ -36,7 +36,7 @@ from loader_search.study._keys import (
     stored_table,
     study_tolerance,
 )
-from loader_search.trial._failures import INTERRUPTED
+from loader_search.trial import INTERRUPTED
 
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 # A baseline in one of these states is done or on its way: no other is queued.

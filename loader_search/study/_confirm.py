@@ -77,7 +77,7 @@ from loader_search.study._paired import (
     paired_speedup,
 )
 from loader_search.study._points import is_feasible, points_of, tolerance_limit
-from loader_search.trial._failures import INTERRUPTED
+from loader_search.trial import INTERRUPTED
 
 MAX_FAILURES = 2  # a setting whose re-measurement failed this often leaves the rounds
 # A reading beside a neighbour that kept this share of the trial's CPUs busy is measured again

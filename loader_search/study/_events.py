@@ -17,8 +17,7 @@ from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig
 from loader_search.study._space import ResolvedSpace
 from loader_search.team._hardware import Hardware
-from loader_search.trial._job import WorkloadRecipe
-from loader_search.trial._supervisor import FreshHost
+from loader_search.trial import FreshHost, WorkloadRecipe
 from loader_search.workloads import Workload
 
 # How a trial ended, as progress reports it ("infeasible": it completed, out of memory or

@@ -20,7 +20,7 @@ from optuna.trial import FrozenTrial
 from loader_search._rules import check_value
 from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import LoaderParams
-from loader_search.trial._failures import CUDA_OOM, HOST_OOM
+from loader_search.trial import CUDA_OOM, HOST_OOM
 
 # -- Objectives (Optuna's values, in this order; their names are the study's metric names) --
 THROUGHPUT = "throughput_samples_per_s"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import optuna
 import torch
 
+from loader_search._system import resolve_device, shm_bytes, usable_cpus
 from loader_search.errors import UserError
 from loader_search.study._config import StudyConfig
 from loader_search.study._fit import fit_space, sample_bytes
@@ -19,8 +20,7 @@ from loader_search.study._space import ResolvedSpace
 from loader_search.study._timings import check_timings_file
 from loader_search.team._hardware import Hardware, collect, gpu_count
 from loader_search.team._lockfiles import check_lock_folder
-from loader_search.trial._step import check_step_settings
-from loader_search.trial._system import resolve_device, shm_bytes, usable_cpus
+from loader_search.trial import check_step_settings
 from loader_search.workloads import Workload
 
 

@@ -43,7 +43,7 @@ from loader_search.study._keys import (
     stored_params,
 )
 from loader_search.study._points import is_feasible
-from loader_search.trial._run import short_run_samples
+from loader_search.trial import short_run_samples
 
 # Trial user attributes (the measurements themselves are `TrialResult` fields).
 BUSY_LIMIT = 0.25  # of the machine's CPUs, used by other processes during a ceiling reading

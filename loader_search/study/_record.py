@@ -46,7 +46,7 @@ from loader_search.study._optuna_compat import study_storage, trial_id
 from loader_search.study._plan import Reuse
 from loader_search.study._trials import write_user_attrs
 from loader_search.team._db_errors import retrying
-from loader_search.trial._failures import INTERRUPTED, TrialFailure, TrialOutcome
+from loader_search.trial import INTERRUPTED, TrialFailure, TrialOutcome
 
 INFEASIBLE_VALUES = (0.0, math.inf)  # placeholder objective values of an infeasible trial
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import optuna
 
 from loader_search._rules import RANGES
+from loader_search._system import usable_cpus
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._config import StudyConfig
@@ -36,11 +37,14 @@ from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
 from loader_search.team._masking import mask_url
 from loader_search.team._storage import open_storage, resolve_storage_url
-from loader_search.trial._job import WorkloadRecipe
-from loader_search.trial._ranks import resolve_ranks
-from loader_search.trial._run import MIN_MEASURED_BATCHES, batches_needed
-from loader_search.trial._supervisor import FreshHost, can_isolate
-from loader_search.trial._system import usable_cpus
+from loader_search.trial import (
+    MIN_MEASURED_BATCHES,
+    FreshHost,
+    WorkloadRecipe,
+    batches_needed,
+    can_isolate,
+    resolve_ranks,
+)
 from loader_search.workloads import Workload, check_allowed, load_workload
 
 if TYPE_CHECKING:

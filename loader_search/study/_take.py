@@ -67,8 +67,7 @@ from loader_search.study._timings import Clock
 from loader_search.study._trials import write_user_attrs
 from loader_search.team._db_errors import outage, retrying
 from loader_search.team._locks import study_lock
-from loader_search.trial._ranks import resolve_ranks
-from loader_search.trial._supervisor import FreshHost
+from loader_search.trial import FreshHost, resolve_ranks
 
 MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `hold_limit`)
 

@@ -20,7 +20,7 @@ Many workers on many machines share one study and one trial budget. What keeps t
   no build: cheap). A confirmation trial (``study.confirm_process = "fresh"``, the default)
   is forked instead from a fresh Python process that built its own workload, as a user's
   script does, and shares no memory with the worker (`fresh_recipe`,
-  `loader_search.trial._supervisor.FreshHost`): the session starts it beside the worker's
+  `loader_search.trial.FreshHost`): the session starts it beside the worker's
   own start-up, and it is kept for this worker's confirmation trials. Forked from the
   worker (``"fork"``), the baseline read low more often and the claims erred more (issue 27,
   benchmarks/RESULTS.md).
@@ -71,9 +71,7 @@ from loader_search.study._record import (
 from loader_search.study._take import Patience, Refused, Worker, look_ahead, sweep, take_trial
 from loader_search.study._timings import Clock
 from loader_search.team._locks import host_lock
-from loader_search.trial._failures import TrialFailure, TrialOutcome
-from loader_search.trial._job import TrialJob, WorkloadRecipe
-from loader_search.trial._supervisor import run_isolated
+from loader_search.trial import TrialFailure, TrialJob, TrialOutcome, WorkloadRecipe, run_isolated
 
 
 def count_finished(study: optuna.Study) -> int:

@@ -24,7 +24,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loader_search.trial._system import cpu_model, shm_bytes, total_ram_bytes
+from loader_search._system import cpu_model, shm_bytes, total_ram_bytes
 
 
 @dataclass(frozen=True)

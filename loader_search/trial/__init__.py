@@ -1,3 +1,108 @@
 """One real training run, without Optuna: the run itself, its measurements, the DataLoader it
-builds, the machine facts it needs, and the forked child that isolates it (with the failure
-taxonomy). The study layer asks for a trial with a `TrialJob` and gets a `TrialOutcome`."""
+builds, and the processes that isolate it (with the failure taxonomy). The study layer asks
+for a trial with a `TrialJob` and gets a `TrialOutcome`.
+
+What the layer offers is named here; callers outside it import from ``loader_search.trial``,
+never from its private modules. Names load lazily: reading a stored failure reason (``best``,
+``report``) must not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # asking for a trial, and what comes back
+    "TrialJob": "loader_search.trial._job",
+    "WorkloadRecipe": "loader_search.trial._job",
+    "TrialResult": "loader_search.trial._result",
+    "TrialOutcome": "loader_search.trial._failures",
+    "TrialFailure": "loader_search.trial._failures",
+    # running one
+    "run_trial": "loader_search.trial._run",
+    "run_isolated": "loader_search.trial._supervisor",
+    "can_isolate": "loader_search.trial._supervisor",
+    "NO_LIMITS": "loader_search.trial._supervisor",
+    "FreshHost": "loader_search.trial._fresh",
+    # what the study plans with
+    "MIN_MEASURED_BATCHES": "loader_search.trial._run",
+    "batches_needed": "loader_search.trial._run",
+    "short_run_samples": "loader_search.trial._run",
+    "resolve_ranks": "loader_search.trial._ranks",
+    "check_step_settings": "loader_search.trial._step",
+    "build_loader": "loader_search.trial._loader",
+    # failure reasons (stored with a failed trial)
+    "CUDA_OOM": "loader_search.trial._failures",
+    "HOST_OOM": "loader_search.trial._failures",
+    "WORKER_KILLED": "loader_search.trial._failures",
+    "TIMEOUT": "loader_search.trial._failures",
+    "EXCEPTION": "loader_search.trial._failures",
+    "DIVERGED": "loader_search.trial._failures",
+    "CRASHED": "loader_search.trial._failures",
+    "INTERRUPTED": "loader_search.trial._failures",
+    "INFEASIBLE_REASONS": "loader_search.trial._failures",
+}
+
+__all__ = [
+    "CRASHED",
+    "CUDA_OOM",
+    "DIVERGED",
+    "EXCEPTION",
+    "HOST_OOM",
+    "INFEASIBLE_REASONS",
+    "INTERRUPTED",
+    "MIN_MEASURED_BATCHES",
+    "NO_LIMITS",
+    "TIMEOUT",
+    "WORKER_KILLED",
+    "FreshHost",
+    "TrialFailure",
+    "TrialJob",
+    "TrialOutcome",
+    "TrialResult",
+    "WorkloadRecipe",
+    "batches_needed",
+    "build_loader",
+    "can_isolate",
+    "check_step_settings",
+    "resolve_ranks",
+    "run_isolated",
+    "run_trial",
+    "short_run_samples",
+]
+
+if TYPE_CHECKING:
+    from loader_search.trial._failures import (
+        CRASHED,
+        CUDA_OOM,
+        DIVERGED,
+        EXCEPTION,
+        HOST_OOM,
+        INFEASIBLE_REASONS,
+        INTERRUPTED,
+        TIMEOUT,
+        WORKER_KILLED,
+        TrialFailure,
+        TrialOutcome,
+    )
+    from loader_search.trial._fresh import FreshHost
+    from loader_search.trial._job import TrialJob, WorkloadRecipe
+    from loader_search.trial._loader import build_loader
+    from loader_search.trial._ranks import resolve_ranks
+    from loader_search.trial._result import TrialResult
+    from loader_search.trial._run import (
+        MIN_MEASURED_BATCHES,
+        batches_needed,
+        run_trial,
+        short_run_samples,
+    )
+    from loader_search.trial._step import check_step_settings
+    from loader_search.trial._supervisor import NO_LIMITS, can_isolate, run_isolated
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loader_search.trial' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

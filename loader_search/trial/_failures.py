@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Final, Literal
 from loader_search.errors import TrainingDiverged
 
 if TYPE_CHECKING:
-    from loader_search.trial._run import TrialResult
+    from loader_search.trial._result import TrialResult
 
 # Failure reasons (`TrialFailure.reason`): a trial's own, then the ones the study layer adds
 # (`loader_search.study._keys`: settings inferred not to fit without training them, queued

@@ -1,6 +1,6 @@
 """What a trial process tells the process that started it, through a pipe.
 
-A fresh trial process (not forked: see `loader_search.trial._supervisor`) receives `Start`
+A fresh trial process (not forked: see `loader_search.trial._fresh`) receives `Start`
 for each trial, the one message sent the other way but `Build`, which asks it to build its
 workload ahead of its first trial (it answers `Built`). The trial's process sends `Ready`
 once pinned, `Progress` at most every `PROGRESS_INTERVAL_S` while it trains (what the trial
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from loader_search.params import LoaderParams, RunPlan, TrainingSettings
     from loader_search.trial._failures import TrialFailure
     from loader_search.trial._job import WorkloadRecipe
-    from loader_search.trial._run import TrialResult
+    from loader_search.trial._result import TrialResult
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Start:
 @dataclass(frozen=True)
 class Build:
     """Build the workload from ``recipe`` now, pinned as its trials will be, before any trial
-    asks for it (`loader_search.trial._supervisor.FreshHost.prepare`)."""
+    asks for it (`loader_search.trial._fresh.FreshHost.prepare`)."""
 
     recipe: WorkloadRecipe
     device: str

@@ -18,6 +18,12 @@ import psutil
 
 from loader_search.trial._failures import TrialFailure, classify_exception
 
+# Read by torch.cuda.is_available() at call time: ask NVML, leave the CUDA driver untouched (a
+# process that forks trials must never initialise CUDA; see loader_search.trial._supervisor).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+POLL_S = 0.1  # a watching process's wake-up interval while nothing arrives
+
 
 class ChildProcess(Protocol):
     """What the supervisor uses of a trial's process: a `multiprocessing` one (forked) or a

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from loader_search.params import RunPlan
-    from loader_search.trial._run import TrialResult
+    from loader_search.trial._result import TrialResult
 
 RANK_TIMEOUT_S = 300  # a collective waits this long for a rank at most (gloo, nccl)
 SIBLING_REPORT_S = 5.0  # after rank 0 failed: how long it waits to hear why from a sibling

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import psutil
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
-from loader_search.trial._system import affinity_cpus, machine_busy_cpu_s
+from loader_search._system import affinity_cpus, machine_busy_cpu_s
 
 # CPU seconds the current process has spent fetching samples since its last collate: each
 # loader worker (a process of its own) and the training process (num_workers=0) keep their own.

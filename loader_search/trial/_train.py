@@ -39,7 +39,7 @@ class Mark:
 
 
 @dataclass(frozen=True)
-class Trained:
+class LoopResult:
     """What `train` returns: the last batch's loss and the first's (tensors: no per-step
     device sync), the epochs begun, the measured window, its stage costs, and with compile
     the first step's time."""
@@ -61,7 +61,7 @@ def train(
     params: LoaderParams,
     progress: Callable[[], None],
     mark: Mark,
-) -> Trained:
+) -> LoopResult:
     """The training loop. The loader yields `TimedBatch`es (see
     `loader_search.trial._stages`); every batch goes through ``step``. With torch.compile, a
     step that compiled a new graph inside the window (a short last batch, a new shape) is
@@ -142,7 +142,7 @@ def train(
     stats = meter.finish()
     costs = stages.snapshot()
     del iterator
-    return Trained(
+    return LoopResult(
         loss.detach(),
         loss.detach() if first is None else first,
         epochs,

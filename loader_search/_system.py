@@ -1,4 +1,5 @@
-"""What this process may use: CPUs (affinity and cgroup quota) and the training device."""
+"""Machine facts every layer may read: what this process may use (CPUs by affinity and cgroup
+quota, memory, /dev/shm), the training device, and how busy the machine is."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _read_cpu_max(path: Path) -> float | None:
     return None if quota == "max" else int(quota) / int(period)
 
 
-def _cgroup_cpu_limit(root: Path = _CGROUP_ROOT, self_cgroup: str | None = None) -> float | None:
+def cgroup_cpu_limit(root: Path = _CGROUP_ROOT, self_cgroup: str | None = None) -> float | None:
     """The CPU quota of this process's cgroup in CPUs, or None when unlimited or unknown.
 
     Under cgroup v2 the process may sit in a nested group (a systemd scope with CPUQuota=,
@@ -70,7 +71,7 @@ def usable_cpus() -> int:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         n = os.cpu_count() or 1
-    limit = _cgroup_cpu_limit()
+    limit = cgroup_cpu_limit()
     if limit is not None:
         n = min(n, max(1, math.ceil(limit)))
     return max(1, n)
