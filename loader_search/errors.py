@@ -8,6 +8,7 @@ and is reported as such.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 
 class UserError(Exception):
@@ -27,19 +28,57 @@ class ConfigError(UserError, ValueError):
         super().__init__(f"{key} = {show_value(value)}{joiner}{problem}")
 
 
+# The most characters of one value an error quotes: a message stays one readable line even
+# for a value of megabytes (a list of 8,192 CPUs, a pasted file), and still shows its start.
+SHOWN_CHARS = 200
+
+
+def shorten(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with its length said when it was cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} chars)"
+
+
 def show_value(value: object) -> str:
-    """``value`` as it is written in TOML (true, "text", {min = 1, max = 2}, [1, 2])."""
+    """``value`` as it is written in TOML (true, "text", {min = 1, max = 2}, [1, 2]), cut
+    after about `SHOWN_CHARS` characters and `_SHOWN_LEVELS` levels of nesting."""
+    return _shown(value, 0)
+
+
+# Deeper lists and tables are shown as [...] and {...}: a value nested hundreds deep (a
+# hostile config) must not exhaust the stack of the very message that refuses it.
+_SHOWN_LEVELS = 8
+
+
+def _shown(value: object, level: int) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        shown = _escaped(value[:200])
-        return f'"{shown}"' if len(value) <= 200 else f'"{shown}..." ({len(value)} chars)'
+        shown = _escaped(value[:SHOWN_CHARS])
+        if len(value) <= SHOWN_CHARS:
+            return f'"{shown}"'
+        return f'"{shown}..." ({len(value):,} chars)'
     if isinstance(value, dict):
-        items = (f"{_escaped(str(k))} = {show_value(v)}" for k, v in value.items())
-        return "{" + ", ".join(items) + "}"
+        if level >= _SHOWN_LEVELS:
+            return "{...}"
+        items = (f"{_escaped(str(k))} = {_shown(v, level + 1)}" for k, v in value.items())
+        return _enclosed("{", items, "}", len(value))
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(show_value(v) for v in value) + "]"
-    return repr(value)
+        if level >= _SHOWN_LEVELS:
+            return "[...]"
+        return _enclosed("[", (_shown(v, level + 1) for v in value), "]", len(value))
+    return shorten(repr(value))
+
+
+def _enclosed(opening: str, items: Iterator[str], closing: str, count: int) -> str:
+    """The items between brackets, as many as fit in `SHOWN_CHARS`; the others counted."""
+    shown: list[str] = []
+    size = 0
+    for item in items:
+        if shown and size + len(item) > SHOWN_CHARS:
+            return f"{opening}{', '.join(shown)}, ...{closing} ({count:,} items)"
+        shown.append(item)
+        size += len(item) + 2
+    return opening + ", ".join(shown) + closing
 
 
 def _escaped(text: str) -> str:

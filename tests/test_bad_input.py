@@ -130,6 +130,17 @@ def test_absurd_values_are_refused_before_anything_is_stored(tmp_path: Path) -> 
         assert not database.exists(), message
 
 
+@pytest.mark.parametrize("cpus", ["0-8191", ",".join(map(str, range(0, 8192, 2)))])
+def test_a_huge_cpu_list_is_quoted_short(tmp_path: Path, cpus: str) -> None:
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    database = tmp_path / "study.db"
+    result = invoke("run", str(config), "--storage", f"sqlite:///{database}", "--cpus", cpus)
+    line = _assert_refused(result, "--cpus", "are not available to this process")
+    assert len(line) < 1_000, f"{len(line):,} characters"
+    assert not database.exists()
+
+
 @pytest.fixture(params=["postgresql", "mariadb"])
 def server_db(request: pytest.FixtureRequest) -> Iterator[str]:
     with scratch_database(POSTGRES_URL if request.param == "postgresql" else MARIADB_URL) as url:

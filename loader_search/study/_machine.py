@@ -5,14 +5,14 @@ the study is bound to, and fitting the search space to its /dev/shm."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import optuna
 import torch
 
 from loader_search._system import resolve_device, shm_bytes, usable_cpus
-from loader_search.errors import UserError
+from loader_search.errors import UserError, shorten
 from loader_search.study._config import StudyConfig
 from loader_search.study._fit import fit_space, sample_bytes
 from loader_search.study._keys import STUDY_HARDWARE_ATTR
@@ -53,8 +53,8 @@ def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
         outside = sorted(set(cpus) - allowed)
         if not cpus or outside:
             raise UserError(
-                f"--cpus {','.join(map(str, cpus))}: CPU(s) {outside or 'none'} are not"
-                f" available to this process (it may use {_ranges(sorted(allowed))})"
+                f"--cpus {_ranges(cpus)}: CPU(s) {_ranges(outside) or 'none'} are not"
+                f" available to this process (it may use {_ranges(allowed)})"
             )
         os.sched_setaffinity(0, set(cpus))
     if gpu is None:
@@ -70,8 +70,16 @@ def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
     return "cuda"
 
 
-def _ranges(values: Sequence[int]) -> str:
-    return ",".join(map(str, values))
+def _ranges(values: Iterable[int]) -> str:
+    """CPU numbers as ``--cpus`` takes them, runs joined (``0-3,8``), cut as errors quote a
+    value (`shorten`): ``--cpus 0-8191`` must not become a message of 88 KB."""
+    runs: list[list[int]] = []
+    for value in sorted(set(values)):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return shorten(",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs))
 
 
 def check_hardware(study: optuna.Study, hardware: Hardware, allow_mixed: bool) -> list[str]:
