@@ -130,6 +130,23 @@ def test_absurd_values_are_refused_before_anything_is_stored(tmp_path: Path) -> 
         assert not database.exists(), message
 
 
+@pytest.mark.parametrize("kind", ["arrays", "tables"])
+def test_options_nested_hundreds_deep_are_one_line_naming_the_limit(
+    tmp_path: Path, kind: str
+) -> None:
+    text = TINY_CONFIG.format(trials=2)
+    if kind == "arrays":
+        text = text.replace("val_size = 64", "val_size = 64\nnested = " + "[" * 400 + "]" * 400)
+    else:  # as dotted headers: tomllib itself refuses inline tables nested that deep
+        text += "[workload.options.nested" + ".a" * 399 + "]\nb = 1\n"
+    config = tmp_path / "study.toml"
+    config.write_text(text)
+    database = tmp_path / "study.db"
+    result = invoke("run", str(config), "--storage", f"sqlite:///{database}")
+    _assert_refused(result, "workload.options.nested", "400 levels deep", "at most 32")
+    assert not database.exists()
+
+
 @pytest.mark.parametrize("cpus", ["0-8191", ",".join(map(str, range(0, 8192, 2)))])
 def test_a_huge_cpu_list_is_quoted_short(tmp_path: Path, cpus: str) -> None:
     config = tmp_path / "study.toml"

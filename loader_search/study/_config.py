@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from loader_search._rules import check_device, check_fields, check_study_name
 from loader_search._workload_specs import resolve_paths
-from loader_search.errors import ConfigError, UserError, show_value
+from loader_search.errors import ConfigError, UserError, shorten, show_value
 from loader_search.params import (
     COMPILE_MODES,
     GRADIENT_ACCUMULATION,
@@ -35,7 +35,7 @@ from loader_search.params import (
 )
 from loader_search.study._config_space import parse_space
 from loader_search.study._space import SearchSpace
-from loader_search.study._toml import Table, is_plain
+from loader_search.study._toml import Table, is_plain, nesting_depth
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,6 +44,9 @@ else:  # pragma: no cover
 
 # A study stores its config as JSON in one attribute; MySQL/MariaDB's column holds 64 KiB.
 OPTIONS_MAX_BYTES = 16_384
+# Lists and tables in one option nest at most this deep: every reader of options (the checks
+# here, JSON, the messages that quote them) recurses, and 400 levels exhaust Python's stack.
+OPTIONS_MAX_DEPTH = 32
 CONFIRM_PROCESSES = ("fork", "fresh")  # study.confirm_process
 SamplerName = Literal["tpe", "random", "nsga2", "grid"]
 SAMPLERS: tuple[SamplerName, ...] = ("tpe", "random", "nsga2", "grid")
@@ -136,6 +139,7 @@ class StudyConfig:
             check_study_name(self.name)
         check_fields(self, "study")
         check_device(self.device)
+        check_options_depth(self.workload_options)
         stored = len(json.dumps(dict(self.workload_options)))
         if stored > OPTIONS_MAX_BYTES:
             raise UserError(
@@ -184,6 +188,19 @@ class StudyConfig:
             name=name if name is not None else self.name,
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
         )
+
+
+def check_options_depth(options: Mapping[str, Any]) -> None:
+    """Refuse an option whose lists and tables nest deeper than `OPTIONS_MAX_DEPTH`, before
+    anything recurses into it (the value itself is not quoted: quoting recurses too)."""
+    for key, value in options.items():
+        depth = nesting_depth(value)
+        if depth > OPTIONS_MAX_DEPTH:
+            raise UserError(
+                f"workload.options.{shorten(str(key), 80)} nests lists and tables {depth:,}"
+                f" levels deep; at most {OPTIONS_MAX_DEPTH} are allowed: flatten it, or pass"
+                " large data as a file path the workload reads"
+            )
 
 
 def load_config(path: str | Path) -> StudyConfig:
@@ -300,6 +317,10 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     options = workload.pop("options", {})
     if not isinstance(options, dict):
         raise workload.error("options", options, "must be a table of keyword arguments")
+    try:
+        check_options_depth(options)
+    except UserError as exc:
+        raise UserError(f"{workload.source}: {exc}") from None
     for key, value in options.items():
         # Options are stored with the study as JSON: dates, times and NaN are refused here.
         if not is_plain(value):

@@ -87,6 +87,24 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def nesting_depth(value: Any) -> int:
+    """How deep lists and tables nest in ``value`` (a scalar: 0, ``[[1]]``: 2), counted one
+    level at a time without recursion, so that a value nested thousands deep is measured
+    (and refused) instead of exhausting Python's stack."""
+    depth = 0
+    level = [value]
+    while True:
+        containers = [item for item in level if isinstance(item, (list, dict))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [
+            item
+            for container in containers
+            for item in (container.values() if isinstance(container, dict) else container)
+        ]
+
+
 def is_plain(value: Any) -> bool:
     """JSON-representable: what a study can store and compare."""
     if isinstance(value, (str, bool, int)):
