@@ -88,6 +88,42 @@ def test_a_file_plugin_imports_the_modules_beside_it(tmp_path: Path) -> None:
     assert len(workload.train_dataset) == 96  # type: ignore[arg-type]
 
 
+# A factory that fails as it builds its workload: whatever it raises names the plug-in.
+FACTORIES = {
+    "KeyError": "raise KeyError('images')",
+    "AttributeError": "raise AttributeError('no attribute shape')",
+    "RuntimeError": "raise RuntimeError('no GPU here')",
+    "FileNotFoundError": "open('/nonexistent-ls/data.bin')",
+    "sys.exit(3)": "import sys; sys.exit(3)",
+}
+
+
+@pytest.mark.parametrize("named", sorted(FACTORIES))
+def test_a_plugin_factory_that_fails_is_one_line(tmp_path: Path, named: str) -> None:
+    (tmp_path / "plug.py").write_text(f"def build(**options):\n    {FACTORIES[named]}\n")
+    config = tmp_path / "study.toml"
+    text = TINY_CONFIG.format(trials=2).replace('name = "synthetic-images"', 'name = "X"')
+    config.write_text(text.replace('"X"', f'"{tmp_path / "plug.py"}:build"'))
+    database = tmp_path / "study.db"
+    result = invoke("run", str(config), "--storage", f"sqlite:///{database}")
+    _assert_refused(result, "plug.py:build", "building it failed", named, "fix the plug-in")
+    assert not database.exists()
+
+
+def test_a_plugin_factory_may_not_end_the_process_but_ctrl_c_interrupts(tmp_path: Path) -> None:
+    from loader_search.workloads import load_workload
+
+    (tmp_path / "plug.py").write_text(
+        "import sys\n"
+        "def leave():\n    sys.exit(0)\n"
+        "def interrupted():\n    raise KeyboardInterrupt\n"
+    )
+    with pytest.raises(UserError, match=r"plug\.py:leave.*sys\.exit\(0\)"):
+        load_workload(f"{tmp_path / 'plug.py'}:leave")
+    with pytest.raises(KeyboardInterrupt):
+        load_workload(f"{tmp_path / 'plug.py'}:interrupted")
+
+
 # -- values far outside any sane range ------------------------------------------------------
 
 

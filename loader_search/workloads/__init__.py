@@ -19,7 +19,7 @@ from loader_search._workload_specs import (
     plugin_key,
     resolve_paths,
 )
-from loader_search.errors import UserError
+from loader_search.errors import UserError, shorten
 from loader_search.workloads._base import Workload, sgd_momentum
 
 __all__ = [
@@ -144,14 +144,20 @@ def _importing(spec: str, what: str) -> Iterator[None]:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        if isinstance(exc, SystemExit):
-            first = f"the plug-in called sys.exit({exc.code!r}) while being imported"
-        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
-        raise UserError(
-            f"workload {spec!r}: importing {what} failed: {type(exc).__name__}: {first}{where};"
-            " fix the plug-in (run with --debug, or import it in Python, to see the traceback)"
-        ) from exc
+        raise _failed(spec, f"importing {what}", exc) from exc
+
+
+def _failed(spec: str, doing: str, exc: BaseException) -> UserError:
+    """The one line for an exception the user's code raised while ``doing`` something."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, SystemExit):
+        first = f"the plug-in called sys.exit({exc.code!r})"
+    where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+    return UserError(
+        f"workload {shorten(spec)!r}: {doing} failed: {type(exc).__name__}:"
+        f" {shorten(first)}{where}; fix the plug-in (run with --debug, or try it in Python,"
+        " to see the traceback)"
+    )
 
 
 def check_workload(spec: str, options: Mapping[str, Any] | None = None) -> WorkloadFactory:
@@ -172,8 +178,10 @@ def check_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workl
 def load_workload(spec: str, options: Mapping[str, Any] | None = None) -> Workload:
     """Build the workload ``spec`` names, passing ``options`` as keyword arguments.
 
-    Wrong option names and values are `UserError` (they are config mistakes); an exception
-    raised from inside the user's factory for any other reason propagates unchanged.
+    Whatever the factory raises is a `UserError` naming the workload: a wrong option value
+    (the built-ins raise ValueError, TypeError or ImportError for those, and their messages
+    name the option) as it is, anything else (a KeyError, a missing file, ``sys.exit()``) as
+    a plug-in to fix. Ctrl-C stays Ctrl-C.
     """
     factory = check_workload(spec, options)
     options = dict(options or {})
@@ -182,6 +190,10 @@ def load_workload(spec: str, options: Mapping[str, Any] | None = None) -> Worklo
     except (ValueError, TypeError, ImportError) as exc:
         # A wrong option value (the factories validate them) or a missing optional package.
         raise UserError(f"workload {spec!r}: {type(exc).__name__}: {exc}") from exc
+    except (UserError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        raise _failed(spec, "building it", exc) from exc
     if not isinstance(workload, Workload):
         raise UserError(
             f"workload {spec!r} returned {type(workload).__name__}, not a loader_search.Workload"
