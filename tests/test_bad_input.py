@@ -316,6 +316,31 @@ def test_init_refuses_an_in_memory_database(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [config]
 
 
+IN_MEMORY = [
+    "sqlite://",
+    "sqlite:///:memory:",
+    "sqlite:///file::memory:?uri=true",
+    "sqlite:///file:scratch?mode=memory&uri=true",
+]
+
+
+@pytest.mark.parametrize("url", IN_MEMORY)
+def test_run_refuses_an_in_memory_database(tmp_path: Path, url: str) -> None:
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    result = invoke("run", str(config), "--storage", url, cwd=tmp_path)
+    _assert_refused(result, "run --storage", "in-memory database", "sqlite:///loader_search.db")
+    assert list(tmp_path.iterdir()) == [config]
+
+
+def test_trials_never_run_in_an_in_memory_database() -> None:
+    from loader_search.params import WorkersSettings
+
+    for url in IN_MEMORY:  # as run_study and run_worker open it, heartbeats on
+        with pytest.raises(UserError, match="in-memory database: trials cannot run in it"):
+            open_storage(url, workers=WorkersSettings())
+
+
 def test_a_lock_folder_others_could_swap_is_refused_before_the_study(tmp_path: Path) -> None:
     folder = tmp_path / "locks"
     folder.mkdir()

@@ -76,6 +76,12 @@ def test_storage_problems_fail(tmp_path: Path) -> None:
     assert "me:***@127.0.0.1" in unreachable.detail
 
 
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_storage_fails_as_run_refuses_it(url: str) -> None:
+    found = _by_name(diagnose(None, url, None))[STORAGE]
+    assert found.verdict == "fail" and "refuse" in found.detail
+
+
 def test_sample_bytes_counts_the_collated_tensors(tiny_workload: Workload) -> None:
     # A 3x16x16 float32 image and an int64 label.
     assert sample_bytes(tiny_workload) == 3 * 16 * 16 * 4 + 8

@@ -354,8 +354,9 @@ def _storage(storage_url: str | None) -> Check:
         if in_memory(parsed):
             return Check(
                 STORAGE,
-                "warn",
-                f"{shown}: an in-memory database; studies vanish when the process ends",
+                "fail",
+                f"{shown}: an in-memory database, which run, init and worker refuse (a study"
+                " in it would vanish when the process ends)",
                 "use a file, e.g. sqlite:///loader_search.db",
             )
         path = Path(database)  # type: ignore[arg-type]

@@ -48,9 +48,11 @@ def run(
     join it meanwhile.
     """
     from loader_search.study._config import load_config
+    from loader_search.team._storage import check_shared, resolve_storage_url
 
     cfg = load_config(config).with_overrides(name=study_name, timeout_s=timeout)
     pinned = parse_cpus(cpus)
+    check_shared(resolve_storage_url(storage), "run")
     from loader_search.study._session import run_study  # torch: only once the config is known good
 
     with live_progress(interruptible=True) as reporter:

@@ -186,13 +186,22 @@ def create_engine(url: str, **kwargs: Any) -> sqlalchemy.Engine:
 
 
 def in_memory(url: URL) -> bool:
-    """Whether ``url`` is an in-memory SQLite database (gone when its process ends)."""
-    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+    """Whether ``url`` is an in-memory SQLite database (gone when its process ends):
+    ``sqlite://``, ``sqlite:///:memory:``, or a URI filename (``?uri=true``) that asks for
+    ``mode=memory`` or names ``file::memory:``."""
+    if url.get_backend_name() != "sqlite":
+        return False
+    database = url.database or ""
+    if database in ("", ":memory:"):
+        return True
+    uri = str(url.query.get("uri", "")).lower() in ("true", "1")
+    return uri and (database.startswith("file::memory:") or url.query.get("mode") == "memory")
 
 
 def check_shared(url: str, command: str) -> None:
-    """Refuse an in-memory SQLite URL for ``command`` (``init``, ``worker``), whose study must
-    outlive the process: it would vanish when the command ends."""
+    """Refuse an in-memory SQLite URL for ``command`` (``run``, ``init``, ``worker``), whose
+    study must outlive the process: it would vanish when the command ends. (Each connection
+    to one sees a database of its own, too: the heartbeat thread would find no tables.)"""
     try:
         parsed = make_url(url)
     except Exception:
@@ -240,6 +249,14 @@ def open_storage(
             " postgresql+psycopg://user@host/db"
         ) from None
     backend = parsed.get_backend_name()
+    if workers is not None and in_memory(parsed):
+        # Trials need the study after this process too, and their heartbeats (written from
+        # a thread of their own, on a connection of their own) need to see it at all.
+        raise UserError(
+            f"storage {shown} is an in-memory database: trials cannot run in it (the study"
+            " would vanish when the process ends); give a file (sqlite:///loader_search.db)"
+            " or a server"
+        )
     if must_exist and backend == "sqlite" and parsed.database and not in_memory(parsed):
         _check_study_file(Path(parsed.database), shown)
     engine_kwargs = engine_options(parsed)
