@@ -5,6 +5,7 @@ against SQLite files and the real PostgreSQL and MariaDB servers; configs fuzzed
 from __future__ import annotations
 
 import json
+import os
 import string
 import subprocess
 import sys
@@ -353,6 +354,56 @@ def test_a_lock_folder_others_could_swap_is_refused_before_the_study(tmp_path: P
     _assert_refused(result, str(folder), "sticky")
     assert not database.exists()
     assert list(folder.iterdir()) == []
+
+
+def test_a_lock_folder_that_takes_no_files_is_one_line(tmp_path: Path) -> None:
+    # /proc takes no new file, for root too (ENOENT): as a read-only folder would refuse.
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    database = tmp_path / "study.db"
+    env = {"LOADER_SEARCH_LOCK_DIR": "/proc"}
+    result = invoke("run", str(config), "--storage", f"sqlite:///{database}", env=env)
+    _assert_refused(result, "lock file /proc/host.lock", "LOADER_SEARCH_LOCK_DIR")
+    assert not database.exists()
+
+
+def _read_only_mounts() -> bool:
+    """Whether this machine lets an unprivileged user namespace mount a read-only tmpfs."""
+    try:
+        probe = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro none /mnt"],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _read_only_mounts(), reason="needs unshare(1) and user namespaces")
+def test_a_lock_folder_on_a_read_only_file_system_is_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=2))
+    database = tmp_path / "study.db"
+    # The CLI in a mount namespace of its own, where the lock folder is a read-only tmpfs:
+    # what a container sees of a host folder mounted read-only.
+    mount_then_run = 'mount -t tmpfs -o ro none "$0" && exec "$@"'
+    result = subprocess.run(
+        [
+            *("unshare", "-rm", "sh", "-c", mount_then_run, str(folder)),
+            *(sys.executable, "-m", "loader_search", "run", str(config)),
+            *("--storage", f"sqlite:///{database}"),
+        ],
+        env={**os.environ, "LOADER_SEARCH_LOCK_DIR": str(folder)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _assert_refused(result, f"{folder}/host.lock", "Read-only file system", str(folder))
+    assert not database.exists()
 
 
 # -- missing database drivers -------------------------------------------------------------

@@ -24,6 +24,7 @@ from loader_search.errors import UserError
 LOCK_DIR_ENV = "LOADER_SEARCH_LOCK_DIR"
 _OPEN_TRIES = 10  # a lock file removed and re-created under us this often in a row: give up
 _FIX_FOLDER = f"remove it, or set {LOCK_DIR_ENV} to a folder you own"
+_FIX_UNUSABLE = f"set {LOCK_DIR_ENV} to a folder you can write, e.g. one of your own under /tmp"
 
 
 def lock_dir() -> Path:
@@ -77,12 +78,16 @@ def open_folder(path: Path) -> int:
             f"cannot create the lock folder {path} ({exc.strerror}); set {LOCK_DIR_ENV} to a"
             " folder you own"
         ) from None
-    if stat.S_ISLNK(os.lstat(path).st_mode):
-        raise UserError(f"the lock folder {path} is a symlink; {_FIX_FOLDER}")
     try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise UserError(f"the lock folder {path} is a symlink; {_FIX_FOLDER}")
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except NotADirectoryError:  # a file, or a symlink swapped in since the lstat
         raise UserError(f"the lock folder {path} is not a folder; {_FIX_FOLDER}") from None
+    except OSError as exc:  # not ours to read (EACCES), gone since the mkdir, ...
+        raise UserError(
+            f"cannot open the lock folder {path} ({exc.strerror}); {_FIX_UNUSABLE}"
+        ) from None
     try:
         info = os.fstat(fd)
         # Only a folder we made: if another user swapped theirs in, its owner tells (and an
@@ -182,6 +187,13 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
             fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=folder_fd)
         except FileExistsError:
             pass  # a file, or a symlink (O_EXCL never follows one): open what is there
+        except OSError as exc:
+            # The folder takes no new file: a read-only file system (EROFS), a folder not
+            # writable by us (EACCES), one of /proc's (ENOENT), a full disk, ...
+            raise UserError(
+                f"cannot create the lock file {shown} ({exc.strerror}): the lock folder"
+                f" {shown.parent} must take new files; {_FIX_UNUSABLE}"
+            ) from None
         else:
             if share:  # our own new file; the umask may have narrowed it
                 os.fchmod(fd, 0o666)
@@ -199,8 +211,12 @@ def open_lock_file(folder_fd: int, name: str, shown: Path, flags: int, *, share:
             if exc.errno == errno.EISDIR:
                 raise UserError(f"the lock file {shown} is a folder; remove it") from None
             if exc.errno == errno.EACCES and flags & os.O_ACCMODE == os.O_RDONLY:
-                raise _unreadable(folder_fd, name, shown) from None  # (writers say why)
-            raise
+                raise _unreadable(folder_fd, name, shown) from None
+            if exc.errno == errno.EACCES:
+                raise  # a writer's caller says why (another user's file)
+            raise UserError(  # EROFS for a writer on a read-only file system, ...
+                f"cannot open the lock file {shown} ({exc.strerror}); {_FIX_UNUSABLE}"
+            ) from None
         try:
             _check_lock_file(shown, os.fstat(fd))
         except BaseException:
