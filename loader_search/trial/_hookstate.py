@@ -1,0 +1,434 @@
+"""What the trial hook knows in one process of a command workload, and its state file.
+
+A command workload's processes (the script, each torchrun rank) load
+``loader_search.trial._hook/sitecustomize.py`` at start-up; `loader_search.trial._inject`
+patches the DataLoader there and keeps its counts here. This module imports nothing heavy
+(no torch, no psutil at import time): `loader_search._report_hook` reaches it from the user's
+script, which may call `loader_search.reports` outside a trial too.
+
+Each process writes ``<trial dir>/proc-<pid>.json`` (a temporary file, then ``os.replace``,
+so the service never reads half a file): at most every ``progress_interval_s`` from inside the
+user's loop, at once when the training budget is reached or a validation loss is reported, and
+at exit. A process that built, iterated and reported nothing (the torchrun launcher, a spawned
+loader worker) writes no file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loader_search.trial._measure import StepMeter
+
+ENV_DIR = "LOADER_SEARCH_TRIAL_DIR"
+SETTINGS_FILE = "settings.json"
+
+# The loader settings a trial may inject, in the order they are applied.
+INJECTABLE = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    """``settings.json``, as the service wrote it for this trial."""
+
+    batch_size: int | None
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    persistent_workers: bool
+    inject: tuple[str, ...]
+    train_samples: int | None
+    warmup_batches: int
+    train_loader: int | None
+    progress_interval_s: float
+
+    @classmethod
+    def read(cls, folder: str) -> HookSettings:
+        with open(os.path.join(folder, SETTINGS_FILE), encoding="utf-8") as file:
+            raw = json.load(file)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{SETTINGS_FILE} holds {type(raw).__name__}, not an object")
+        prefetch = raw.get("prefetch_factor")
+        batch = raw.get("batch_size")
+        samples = raw.get("train_samples")
+        train = raw.get("train_loader")
+        return cls(
+            batch_size=None if batch is None else int(batch),
+            num_workers=int(raw.get("num_workers", 0)),
+            prefetch_factor=None if prefetch is None else int(prefetch),
+            pin_memory=bool(raw.get("pin_memory", False)),
+            persistent_workers=bool(raw.get("persistent_workers", False)),
+            inject=tuple(str(name) for name in raw.get("inject") or ()),
+            train_samples=None if samples is None else int(samples),
+            warmup_batches=int(raw.get("warmup_batches", 1)),
+            train_loader=None if train is None else int(train),
+            progress_interval_s=float(raw.get("progress_interval_s", 0.5)),
+        )
+
+    def value(self, name: str) -> Any:
+        """The trial's value of the loader setting ``name``."""
+        return getattr(self, name)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class ProcessState:
+    """One process's loaders, counts and measured window (see the module docstring)."""
+
+    def __init__(self, folder: str, settings: HookSettings) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.pid = os.getpid()
+        self.loaders: list[dict[str, Any]] = []
+        self.built = 0  # DataLoaders built in this process so far
+        self.train_decided = False  # whether the training loader is known (or cannot be)
+        self.samples = 0
+        self.batches = 0
+        self.ticks = 0
+        self.budget_reached = False
+        self.budget_reached_at: float | None = None
+        self.val_losses: list[list[float]] = []
+        self.meter: StepMeter | None = None
+        self.sync_device: bool = True  # whether a window snapshot synchronises the device
+        self.final_window: dict[str, Any] | None = None  # the window closed at the budget
+        self.touched = False  # a file is written only once there is something to say
+        self._last_write = time.monotonic()
+        self._errors: set[str] = set()
+
+    # --- what the hook reports --------------------------------------------------------
+
+    def touch(self) -> None:
+        self.touched = True
+
+    def add_val_loss(self, value: float) -> None:
+        self.val_losses.append([time.time(), value])
+        self.touched = True
+        self.write()
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        """Append a one-line account of ``exc`` to ``hook-error-<pid>.txt`` (once per place:
+        a wrapper failing on every batch must not fill the disk)."""
+        if where in self._errors:
+            return
+        self._errors.add(where)
+        write_error(self.folder, f"{where}: {one_line(exc)}")
+
+    # --- the state file ---------------------------------------------------------------
+
+    def window(self) -> dict[str, Any] | None:
+        if self.final_window is not None:
+            return self.final_window
+        meter = self.meter
+        if meter is None or not meter.in_window or meter.measured_samples == 0:
+            return None
+        return window_dict(meter)
+
+    def as_json(self) -> dict[str, Any]:
+        from loader_search.trial._measure import high_water_mark_bytes
+
+        rank, world, local = _ranks()
+        times = os.times()
+        return {
+            "pid": self.pid,
+            "rank": rank,
+            "world_size": world,
+            "local_rank": local,
+            "loaders": self.loaders,
+            "samples": self.samples,
+            "batches": self.batches,
+            "ticks": self.ticks,
+            "budget_reached": self.budget_reached,
+            "budget_reached_at": self.budget_reached_at,
+            "window": self.window(),
+            "peak_rss_bytes": high_water_mark_bytes() or 0,
+            "cpu_s": times.user + times.system + times.children_user + times.children_system,
+            "val_losses": self.val_losses,
+        }
+
+    def write(self) -> None:
+        """Write the state file now (atomically); never raises."""
+        if os.getpid() != self.pid:
+            return  # a forked copy of this state: the file is its parent's
+        self._last_write = time.monotonic()
+        path = os.path.join(self.folder, f"proc-{self.pid}.json")
+        temporary = os.path.join(self.folder, f".proc-{self.pid}.json.tmp")
+        try:
+            text = json.dumps(self.as_json(), default=_jsonable, allow_nan=True)
+            with open(temporary, "w", encoding="utf-8") as file:
+                file.write(text)
+            os.replace(temporary, path)
+        except Exception as exc:
+            self.record_error("writing the state file", exc)
+
+    def maybe_write(self) -> None:
+        """Write the state file if ``progress_interval_s`` passed since the last write: cheap
+        enough to call on every batch. Snapshots here do not synchronise the device (a stall
+        every interval inside the user's loop); the final ones do."""
+        if time.monotonic() - self._last_write < self.settings.progress_interval_s:
+            return
+        self.sync_device = False
+        try:
+            self.write()
+        finally:
+            self.sync_device = True
+
+    def at_exit(self) -> None:
+        if self.touched and os.getpid() == self.pid:
+            self.write()
+
+
+def window_dict(meter: StepMeter) -> dict[str, Any]:
+    stats = meter.snapshot()
+    return {
+        "measured_samples": stats.measured_samples,
+        "measured_time_s": stats.measured_time_s,
+        "data_wait_s": stats.data_wait_s,
+        "warmup_batches": stats.warmup_batches,
+        "time_to_first_batch_s": stats.time_to_first_batch_s,
+        "throughput": stats.throughput if stats.measured_time_s > 0 else None,
+    }
+
+
+def _ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank): torch.distributed's once the script started its
+    process group (``mp.spawn`` sets no environment), else torchrun's environment."""
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank, world = int(dist.get_rank()), int(dist.get_world_size())
+    except Exception:  # a group being torn down: the environment still says who we are
+        pass
+    return rank, world, _env_int("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    return max(1, _ranks()[1])
+
+
+def rank_share(train_samples: int, world: int) -> int:
+    """One rank's share of the whole run's training samples."""
+    return math.ceil(train_samples / max(1, world))
+
+
+def _jsonable(value: object) -> object:
+    # Settings applied may hold a value json cannot write (a torch.device string is fine, a
+    # sampler is not): its text is enough to say what was used.
+    return repr(value)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def write_error(folder: str, line: str) -> None:
+    """Append ``line`` to ``<folder>/hook-error-<pid>.txt``; never raises."""
+    try:
+        with open(os.path.join(folder, f"hook-error-{os.getpid()}.txt"), "a") as file:
+            file.write(line.replace("\n", " ") + "\n")
+    except OSError:
+        pass  # nowhere to say it: the user's program goes on regardless
+
+
+# --- the training loop -----------------------------------------------------------------
+
+
+class TrainRun:
+    """The training loader's measurement across its iterators (epochs)."""
+
+    def __init__(self, loader: Any, state: ProcessState) -> None:
+        from loader_search.trial._measure import StepMeter
+
+        self.state = state
+        settings = state.settings
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        # The batches the workers prefetched while the model was not asking come at once:
+        # they are warm-up too.
+        in_flight = workers * int(getattr(loader, "prefetch_factor", 0) or 0) if workers else 0
+        self.meter = StepMeter(max(1, settings.warmup_batches + in_flight), self._sync)
+        state.meter = self.meter
+        total = settings.train_samples
+        self.share = None if total is None else rank_share(total, world_size())
+        self.pending: int | None = None  # samples of the batch whose step is running
+        self.started = False
+        self._size_failed = False
+
+    def _sync(self) -> None:
+        if not self.state.sync_device:
+            return
+        cuda = sys.modules.get("torch.cuda")
+        if cuda is not None and cuda.is_initialized():
+            cuda.synchronize()
+
+    def done(self) -> bool:
+        return self.share is not None and self.state.samples >= self.share
+
+    def new_iterator(self) -> None:
+        meter = self.meter
+        if not self.started:
+            self.started = True
+            meter.start()
+            return
+        self.close_step()
+        if meter.in_window:
+            # The time since the last epoch ended is the user's validation, not training:
+            # left out of the window (a new iterator's worker start-up stays in, in its
+            # first batch's wait).
+            meter.step(0, exclude=float("inf"))
+
+    def close_step(self) -> None:
+        if self.pending is not None:
+            self.meter.step(self.pending)
+            self.pending = None
+
+    def before_next(self) -> bool:
+        """Close the previous batch's step; True where the budget stops the iteration."""
+        self.close_step()
+        if not self.done():
+            return False
+        state = self.state
+        if not state.budget_reached:
+            state.budget_reached = True
+            state.budget_reached_at = time.time()
+            state.final_window = state.window()
+            state.write()
+        return True
+
+    def delivered(self, batch: Any) -> None:
+        samples = self._size(batch)
+        state = self.state
+        state.samples += samples
+        state.batches += 1
+        self.pending = samples
+        state.maybe_write()
+
+    def _size(self, batch: Any) -> int:
+        try:
+            from loader_search.trial._step import default_batch_size
+
+            return default_batch_size(batch)
+        except Exception as exc:
+            if not self._size_failed:
+                self._size_failed = True
+                self.state.record_error("counting a batch's samples", exc)
+            return 0
+
+
+class TrainIter:
+    """The training loader's iterator, measured and cut at the budget."""
+
+    def __init__(self, iterator: Iterator[Any], run: TrainRun) -> None:
+        self._it: Iterator[Any] = iterator
+        self._run = run
+
+    def __iter__(self) -> TrainIter:
+        return self
+
+    def __next__(self) -> Any:
+        run = self._run
+        try:
+            stop = run.before_next()
+        except Exception as exc:
+            run.state.record_error("measuring the training loop", exc)
+            stop = False
+        if stop:
+            # Dropped, a worker-backed iterator shuts its workers down (persistent ones stay
+            # with their loader, as they would).
+            self._it = iter(())
+            raise StopIteration
+        _call(run.meter.wait_begin, run.state)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            _call(run.meter.wait_end, run.state)
+            _call(run.before_next, run.state)  # the last batch's step ends here
+            raise
+        _call(run.meter.wait_end, run.state)
+        try:
+            run.delivered(batch)
+        except Exception as exc:
+            run.state.record_error("counting the training batches", exc)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+class TickIter:
+    """Another loader's iterator: its batches count as evaluation progress."""
+
+    def __init__(self, iterator: Iterator[Any], state: ProcessState) -> None:
+        self._it = iterator
+        self._state = state
+
+    def __iter__(self) -> TickIter:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._it)
+        state = self._state
+        try:
+            state.ticks += 1
+            state.touch()
+            state.maybe_write()
+        except Exception as exc:
+            state.record_error("counting evaluation batches", exc)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+def _call(action: Any, state: ProcessState) -> None:
+    try:
+        action()
+    except Exception as exc:
+        state.record_error("measuring the training loop", exc)
+
+
+_STATE: ProcessState | None = None
+
+
+def install_state() -> ProcessState:
+    """This process's state, read from the trial folder's settings (once per process)."""
+    global _STATE
+    if _STATE is not None and _STATE.pid == os.getpid():
+        return _STATE
+    folder = os.environ[ENV_DIR]
+    _STATE = ProcessState(folder, HookSettings.read(folder))
+    atexit.register(_STATE.at_exit)
+    return _STATE
+
+
+def current(create: bool = False) -> ProcessState | None:
+    """The state of this process inside a trial, else None.
+
+    A process forked from one with a state (a loader worker) gets None: its parent measures.
+    ``create``: build the state where the hook did not run in this process's line (a script
+    started without the hook's path) so that a reported loss is still written.
+    """
+    if _STATE is not None:
+        return _STATE if _STATE.pid == os.getpid() else None
+    if create and os.environ.get(ENV_DIR):
+        return install_state()
+    return None

@@ -1,0 +1,392 @@
+"""The trial hook inside a command workload: the trial's loader settings go into the user's own
+training DataLoader, and its loop is measured where it runs.
+
+`install` (called by ``_hook/sitecustomize.py`` at interpreter start) imports nothing heavy:
+it waits for ``torch.utils.data.dataloader`` to be imported (a `sys.meta_path` finder), then
+patches ``DataLoader.__init__`` and ``DataLoader.__iter__`` on the class itself, so
+``from torch.utils.data import DataLoader`` and every subclass are covered.
+
+Which loader is the training loader, in each process (each rank):
+
+* ``train_loader = N`` in the trial's settings: the N-th DataLoader built in the process
+  (1-based).
+* otherwise the first DataLoader built with a shuffling sampler: ``shuffle=True``, a
+  ``RandomSampler``, ``SubsetRandomSampler`` or ``WeightedRandomSampler``, a
+  ``DistributedSampler`` whose ``shuffle`` is true, or a ``batch_sampler`` whose ``.sampler``
+  is one of those;
+* if no loader was built with one by the time the first loader built is first iterated, the
+  first loader built: it is initialised again then, with the trial's settings.
+
+The training loader gets the settings the trial injects (those the command line does not pass
+itself); a setting that cannot apply is recorded with its reason, never dropped silently. Its
+iterator is measured with `StepMeter` (the time between two batches is the user's whole step
+plus the data wait) and stops once this rank's share of the trial's ``train_samples`` has been
+delivered: a batch cannot be cut, so the iteration ends at the first batch that reaches or
+passes the share (at most one batch over), and every later iteration (a later epoch) is empty,
+so an epoch loop reaches its validation and the script ends on its own. Batches of every other
+loader count as ``ticks`` (evaluation progress).
+
+Only the main process of each rank acts: a loader worker (``get_worker_info()`` set) or a
+process forked from the one that installed the hook passes everything through. Every wrapper
+catches its own errors, writes them to ``hook-error-<pid>.txt`` and falls back to the
+original behaviour: the hook never raises into the user's program.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import FrameType, ModuleType
+from typing import Any
+
+from loader_search.trial import _hookstate
+from loader_search.trial._hookstate import (
+    HookSettings,
+    ProcessState,
+    TickIter,
+    TrainIter,
+    TrainRun,
+)
+
+TARGET = "torch.utils.data.dataloader"
+_PATCHED = "_loader_search_patched"
+_INFO = "_loader_search_info"
+_BATCH_SAMPLER_FIXES = "a batch_sampler fixes the batch size"
+_UNBATCHED = "batch_size=None: the loader does not batch (its dataset yields whole batches)"
+
+
+def install() -> None:
+    """Patch the DataLoader now if torch's loader module is loaded, else once it is."""
+    _hookstate.install_state()
+    module = sys.modules.get(TARGET)
+    if module is not None:
+        patch(module)
+    elif not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+class _Finder:
+    """Finds nothing itself: hands ``torch.utils.data.dataloader``'s own spec on with a loader
+    that patches the module once it has run."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != TARGET:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader:
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Tools that read source through the module's loader (inspect, linecache) see the
+        # original one again.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]
+        try:
+            patch(module)
+        except Exception as exc:
+            state = _hookstate.current()
+            if state is not None:
+                state.record_error("patching the DataLoader", exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _LoaderInfo:
+    """What the hook keeps on one DataLoader it saw built."""
+
+    def __init__(self, record: dict[str, Any], arguments: dict[str, Any] | None) -> None:
+        self.record = record
+        self.arguments = arguments  # the user's own arguments, kept for a re-initialisation
+        self.run: TrainRun | None = None
+
+
+def patch(module: ModuleType) -> None:
+    """Patch ``module.DataLoader`` in place (once)."""
+    import inspect
+
+    cls = module.DataLoader
+    if cls.__dict__.get(_PATCHED):
+        return
+    original_init = cls.__init__
+    original_iter = cls.__iter__
+    signature = inspect.signature(original_init)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        state = _acting_state()
+        if state is None:
+            original_init(self, *args, **kwargs)
+            return
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            original_init(self, *args, **kwargs)  # the user's own mistake: torch says it
+            return
+        try:
+            info, injected = _plan(state, self, dict(bound.arguments), signature)
+        except Exception as exc:
+            state.record_error("DataLoader.__init__", exc)
+            original_init(self, *args, **kwargs)
+            return
+        _init_with(original_init, self, state, info, injected, args, kwargs)
+
+    def __iter__(self: Any) -> Any:
+        state = _acting_state()
+        info = self.__dict__.get(_INFO)
+        if state is None or not isinstance(info, _LoaderInfo):
+            return original_iter(self)
+        try:
+            if (
+                not state.train_decided
+                and state.settings.train_loader is None
+                and info.record["index"] == 1
+            ):
+                _fall_back_to_first(original_init, self, state, info)
+            if info.record["train"]:
+                return _train_iter(self, info, state, original_iter)
+        except Exception as exc:
+            state.record_error("DataLoader.__iter__", exc)
+            return original_iter(self)
+        return TickIter(original_iter(self), state)
+
+    __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
+    __iter__.__wrapped__ = original_iter  # type: ignore[attr-defined]
+    __init__.__doc__, __iter__.__doc__ = original_init.__doc__, original_iter.__doc__
+    cls.__init__ = __init__
+    cls.__iter__ = __iter__
+    setattr(cls, _PATCHED, True)
+
+
+def _acting_state() -> ProcessState | None:
+    """This process's state where the hook acts: a trial's main process of a rank, not a
+    loader worker nor a process forked from it."""
+    state = _hookstate.current()
+    if state is None:
+        return None
+    from torch.utils.data import get_worker_info
+
+    return state if get_worker_info() is None else None
+
+
+def _plan(
+    state: ProcessState, loader: Any, arguments: dict[str, Any], signature: Any
+) -> tuple[_LoaderInfo, dict[str, Any] | None]:
+    """Record a DataLoader being built; for the training loader, its arguments with the
+    trial's settings in (None: build it as the user asked)."""
+    import torch.utils.data as data
+
+    arguments.pop("self", None)
+    state.built += 1
+    state.touch()
+    shuffles = _shuffles(arguments)
+    record: dict[str, Any] = {
+        "index": state.built,
+        "site": _site(loader),
+        "shuffle": shuffles,
+        "train": False,
+        "iterable": isinstance(arguments.get("dataset"), data.IterableDataset),
+        "applied": {},
+        "not_applied": {},
+    }
+    state.loaders.append(record)
+    wanted = state.settings.train_loader
+    training = (
+        state.built == wanted if wanted is not None else shuffles and not state.train_decided
+    )
+    # The first loader's own arguments are kept: it becomes the training loader if no
+    # shuffling one is built before it is first iterated.
+    info = _LoaderInfo(record, arguments if state.built == 1 and not training else None)
+    loader.__dict__[_INFO] = info
+    if not training:
+        return info, None
+    state.train_decided = True
+    record["train"] = True
+    return info, _injected(arguments, state.settings, record, signature)
+
+
+def _injected(
+    arguments: dict[str, Any], settings: HookSettings, record: dict[str, Any], signature: Any
+) -> dict[str, Any]:
+    """``arguments`` with the trial's settings in, each recorded as applied or not."""
+    known = signature.parameters
+    merged = {
+        name: param.default
+        for name, param in known.items()
+        if name != "self" and param.default is not param.empty
+    }
+    merged.update(arguments)
+    applied, skipped = record["applied"], record["not_applied"]
+    for name in settings.inject:
+        if name not in _hookstate.INJECTABLE:
+            skipped[name] = "not a DataLoader setting the hook knows"
+        elif name not in known:
+            skipped[name] = "this torch's DataLoader has no such argument"
+        elif name == "batch_size" and merged.get("batch_sampler") is not None:
+            skipped[name] = _BATCH_SAMPLER_FIXES
+        elif name == "batch_size" and merged.get("batch_size") is None:
+            skipped[name] = _UNBATCHED
+        else:
+            merged[name] = applied[name] = settings.value(name)
+    # Without workers torch refuses a prefetch factor and persistent workers, whoever set
+    # them: the trial's 0 workers must not turn the user's own values into an error.
+    if not merged.get("num_workers"):
+        for name, idle in (("prefetch_factor", None), ("persistent_workers", False)):
+            if name in known and ("num_workers" in applied or name in applied):
+                merged[name] = applied[name] = idle
+    return merged
+
+
+def _init_with(
+    original_init: Any,
+    loader: Any,
+    state: ProcessState,
+    info: _LoaderInfo,
+    injected: dict[str, Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Build ``loader`` with the injected arguments, or as the user asked where torch refuses
+    them (recorded as not applied, with torch's reason)."""
+    if injected is None:
+        original_init(loader, *args, **kwargs)
+    else:
+        try:
+            original_init(loader, **injected)
+        except Exception as exc:
+            _refused(state, info, exc)
+            _reset(loader)
+            original_init(loader, *args, **kwargs)
+    _note_effective(loader, info)
+
+
+def _refused(state: ProcessState, info: _LoaderInfo, exc: Exception) -> None:
+    state.record_error("injecting the trial's settings", exc)
+    reason = f"the DataLoader refused it: {_hookstate.one_line(exc)}"
+    record = info.record
+    record["not_applied"].update(dict.fromkeys(record["applied"], reason))
+    record["applied"] = {}
+
+
+def _reset(loader: Any) -> None:
+    # DataLoader.__setattr__ refuses to change batch_size, sampler... once this flag is set;
+    # cleared, the original __init__ may run again on the same object.
+    loader._DataLoader__initialized = False
+
+
+def _note_effective(loader: Any, info: _LoaderInfo) -> None:
+    # What the loader really uses, whoever chose it: the service compares it with the trial.
+    record = info.record
+    record["num_workers"] = getattr(loader, "num_workers", None)
+    record["batch_size"] = getattr(loader, "batch_size", None)
+
+
+def _fall_back_to_first(
+    original_init: Any, loader: Any, state: ProcessState, info: _LoaderInfo
+) -> None:
+    """No shuffling loader was built before the first one is iterated: the first one is the
+    training loader, initialised again with the trial's settings."""
+    import inspect
+
+    state.train_decided = True
+    if info.arguments is None:
+        return
+    arguments, info.arguments = info.arguments, None
+    info.record["train"] = True
+    injected = _injected(arguments, state.settings, info.record, inspect.signature(original_init))
+    _reset(loader)
+    try:
+        original_init(loader, **injected)
+    except Exception as exc:
+        _refused(state, info, exc)
+        _reset(loader)
+        original_init(loader, **arguments)
+    _note_effective(loader, info)
+
+
+def _shuffles(arguments: dict[str, Any]) -> bool:
+    if arguments.get("shuffle"):
+        return True
+    if _shuffling_sampler(arguments.get("sampler")):
+        return True
+    batch_sampler = arguments.get("batch_sampler")
+    return batch_sampler is not None and _shuffling_sampler(
+        getattr(batch_sampler, "sampler", None)
+    )
+
+
+def _shuffling_sampler(sampler: object) -> bool:
+    import torch.utils.data as data
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(sampler, DistributedSampler):
+        return bool(getattr(sampler, "shuffle", False))
+    random = (data.RandomSampler, data.SubsetRandomSampler, data.WeightedRandomSampler)
+    return isinstance(sampler, random)
+
+
+def _outside(filename: str) -> bool:
+    return not any(
+        filename.startswith(root) for root in _library_roots() if root
+    ) and not filename.startswith("<frozen")
+
+
+_ROOTS: list[str] = []
+
+
+def _library_roots() -> list[str]:
+    if not _ROOTS:
+        import loader_search
+
+        for module in (sys.modules.get("torch"), loader_search):
+            file = getattr(module, "__file__", None)
+            if file:
+                _ROOTS.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return _ROOTS
+
+
+def _site(loader: Any) -> str | None:
+    """``file:line`` where the user built ``loader``: the first frame outside torch and this
+    package, past a DataLoader subclass's own ``__init__``."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if _outside(os.path.abspath(code.co_filename)) and not (
+            code.co_name == "__init__" and frame.f_locals.get("self") is loader
+        ):
+            return f"{code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+# --- iteration ------------------------------------------------------------------------
+
+
+def _train_iter(loader: Any, info: _LoaderInfo, state: ProcessState, original_iter: Any) -> Any:
+    run = info.run
+    if run is None:
+        run = info.run = TrainRun(loader, state)
+    if run.done():
+        run.before_next()  # the budget fell on an epoch's last batch: reached now
+        return iter(())
+    run.new_iterator()
+    return TrainIter(original_iter(loader), run)
