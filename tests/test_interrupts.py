@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +14,7 @@ import pytest
 
 from loader_search import interrupts
 from loader_search.team._locks import host_lock
+from tests.conftest import TINY_CONFIG
 
 
 @pytest.fixture(autouse=True)
@@ -58,3 +62,36 @@ def test_a_wait_for_the_host_lock_ends_on_a_stop(tmp_path: Path) -> None:
         release.set()
         thread.join()
     assert time.monotonic() - started < 5  # not the holder's 30 s
+
+
+# The console script, as a user starts it: its imports (typer, rich, torch, optuna) take the
+# first second or two, and a signal may come at any moment of them.
+CONSOLE_SCRIPT = Path(sys.executable).parent / "loader-search"
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason="the console script is not installed")
+@pytest.mark.parametrize(
+    ("number", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
+def test_a_signal_from_the_first_moment_on_is_one_line_and_its_exit_code(
+    tmp_path: Path, number: signal.Signals, code: int
+) -> None:
+    config = tmp_path / "study.toml"
+    config.write_text(TINY_CONFIG.format(trials=50))  # still running when the last one comes
+    for delay in (0.05, 0.2, 0.6, 1.5):
+        command = [str(CONSOLE_SCRIPT), "run", str(config)]
+        storage = f"sqlite:///{tmp_path / f'study-{delay}.db'}"
+        process = subprocess.Popen(
+            [*command, "--storage", storage],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(delay)
+        process.send_signal(number)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == code, (delay, process.returncode, stderr[-2000:])
+        assert "Traceback" not in stderr, (delay, stderr[-2000:])
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Interrupted"), (delay, stderr)

@@ -56,9 +56,3 @@ app.command()(dashboard)
 app.command()(studies)
 app.command()(doctor)
 app.command("make-images")(make_images)
-
-
-def main() -> int:
-    """Console-script entry point."""
-    app(prog_name="loader-search")
-    return 0

@@ -64,8 +64,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def reports_errors(command: F) -> F:
     """Turn known errors into one line on stderr and an exit code, no traceback.
 
-    Bad input (`UserError`) exits 2; a study that cannot go on exits 1; Ctrl-C exits 130.
-    ``--debug`` (or LOADER_SEARCH_DEBUG=1) adds the traceback.
+    Bad input (`UserError`) exits 2; a study that cannot go on exits 1; Ctrl-C exits 130 and
+    SIGTERM 143. ``--debug`` (or LOADER_SEARCH_DEBUG=1) adds the traceback.
     """
 
     @functools.wraps(command)
@@ -79,11 +79,14 @@ def reports_errors(command: F) -> F:
             _print_error(str(exc))
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
+            from loader_search.interrupts import exit_code
+
             err_console.print(
                 "Interrupted. A trial that was running is recorded as failed (interrupted)"
-                " and uses no budget; run the same command again to continue the study."
+                " and uses no budget; run the same command again to continue the study.",
+                soft_wrap=True,  # one line, however narrow the terminal
             )
-            raise typer.Exit(130) from None
+            raise typer.Exit(exit_code()) from None
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:
@@ -129,12 +132,9 @@ def live_progress(*, interruptible: bool = False) -> Iterator[RichReporter]:
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
-    from loader_search.interrupts import STOP_REQUESTED, request_stop
+    from loader_search.interrupts import STOP_REQUESTED, on_signal
 
-    def interrupt(signum: int, frame: object) -> None:
-        request_stop()
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
