@@ -370,3 +370,29 @@ def test_report_val_loss_in_a_trial_writes_at_once_and_never_raises(tmp_path: Pa
     assert done.stdout == "0.5 False\nwent on\n"
     (error,) = trial.glob("hook-error-*.txt")
     assert "could not convert string to float" in error.read_text()
+
+
+def test_between_epochs_the_window_stops_with_the_last_batch(tmp_path: Path) -> None:
+    _, trial, out = _run(
+        tmp_path,
+        """
+        import time
+        loader = DataLoader(train, batch_size=32, shuffle=True)
+        for epoch in range(2):
+            batches = 0
+            for xb, yb in loader:
+                time.sleep(0.002)
+                batches += 1
+            time.sleep(0.5)  # a long validation: not training time
+            print("epoch", epoch, batches)
+        time.sleep(0.5)  # saving the model after the loop
+        """,
+        _settings(train_samples=10**6, inject=[]),
+    )
+    assert _epochs(out) == [16, 16]
+    state = _state(trial)
+    assert state["budget_reached"] is False and state["budget_reached_at"] is None
+    assert state["samples"] == 1024 and state["batches"] == 32
+    window = state["window"]
+    assert window["measured_samples"] == (32 - window["warmup_batches"]) * 32
+    assert window["measured_time_s"] < 0.5  # neither the validations nor the saving

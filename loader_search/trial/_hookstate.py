@@ -104,6 +104,9 @@ class ProcessState:
         self.meter: StepMeter | None = None
         self.sync_device: bool = True  # whether a window snapshot synchronises the device
         self.final_window: dict[str, Any] | None = None  # the window closed at the budget
+        # The window as an epoch of the training loader ended: between epochs (validation,
+        # after the loop) the clock of a live snapshot would run on without samples.
+        self.idle_window: dict[str, Any] | None = None
         self.touched = False  # a file is written only once there is something to say
         self._last_write = time.monotonic()
         self._errors: set[str] = set()
@@ -131,6 +134,8 @@ class ProcessState:
     def window(self) -> dict[str, Any] | None:
         if self.final_window is not None:
             return self.final_window
+        if self.idle_window is not None:
+            return self.idle_window
         meter = self.meter
         if meter is None or not meter.in_window or meter.measured_samples == 0:
             return None
@@ -252,6 +257,7 @@ class TrainRun:
 
     def __init__(self, loader: Any, state: ProcessState) -> None:
         from loader_search.trial._measure import StepMeter
+        from loader_search.trial._step import default_batch_size
 
         self.state = state
         settings = state.settings
@@ -266,6 +272,7 @@ class TrainRun:
         self.pending: int | None = None  # samples of the batch whose step is running
         self.started = False
         self._size_failed = False
+        self._batch_size = default_batch_size
 
     def _sync(self) -> None:
         if not self.state.sync_device:
@@ -284,6 +291,7 @@ class TrainRun:
             meter.start()
             return
         self.close_step()
+        self.state.idle_window = None
         if meter.in_window:
             # The time since the last epoch ended is the user's validation, not training:
             # left out of the window (a new iterator's worker start-up stays in, in its
@@ -308,6 +316,12 @@ class TrainRun:
             state.write()
         return True
 
+    def epoch_end(self) -> None:
+        """The underlying iterator ended (an epoch): the last batch's step ends here."""
+        if not self.before_next():
+            self.state.idle_window = None
+            self.state.idle_window = self.state.window()
+
     def delivered(self, batch: Any) -> None:
         samples = self._size(batch)
         state = self.state
@@ -318,9 +332,7 @@ class TrainRun:
 
     def _size(self, batch: Any) -> int:
         try:
-            from loader_search.trial._step import default_batch_size
-
-            return default_batch_size(batch)
+            return self._batch_size(batch)
         except Exception as exc:
             if not self._size_failed:
                 self._size_failed = True
@@ -355,7 +367,7 @@ class TrainIter:
             batch = next(self._it)
         except StopIteration:
             _call(run.meter.wait_end, run.state)
-            _call(run.before_next, run.state)  # the last batch's step ends here
+            _call(run.epoch_end, run.state)
             raise
         _call(run.meter.wait_end, run.state)
         try:
