@@ -171,7 +171,7 @@ def _status(app: Any, host_header: str) -> str:
 def test_bound_to_every_address_it_can_still_answer_only_the_names_it_was_given() -> None:
     """In a container the dashboard listens on 0.0.0.0 while its port is published on the
     host's 127.0.0.1 only: ``--allow-host`` keeps the DNS-rebinding check there."""
-    from loader_search.report._dashboard import host_checked
+    from loader_search.reports._dashboard import host_checked
 
     def ok(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         start_response("200 OK", [])

@@ -40,7 +40,7 @@ from loader_search.team._masking import scrub_urls
 if TYPE_CHECKING:
     from loader_search.cli._doctor import Check
     from loader_search.params import LoaderParams
-    from loader_search.report._data import ReportData
+    from loader_search.reports._data import ReportData
     from loader_search.study._events import StudyInfo, TrialEvent
 
 DEBUG_ENV = "LOADER_SEARCH_DEBUG"
@@ -171,7 +171,7 @@ def write_report(data: ReportData, fmt: str, output: Path | None, study: str) ->
     if fmt == "json":
         text = json.dumps(data.as_dict(), indent=2) + "\n"
     else:
-        from loader_search.report._html import render  # plotly: only when drawing
+        from loader_search.reports._html import render  # plotly: only when drawing
 
         text = render(data)
     if output is None:

@@ -97,7 +97,7 @@ def report(
 
     import optuna
 
-    from loader_search.report._collect import collect
+    from loader_search.reports._collect import collect
 
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created" lines
@@ -136,7 +136,7 @@ def dashboard(
     http://127.0.0.1:8080/dashboard/ locally. In a container that publishes its port on the
     host's 127.0.0.1: --host 0.0.0.0 --allow-host 127.0.0.1 --allow-host localhost.
     """
-    from loader_search.report._dashboard import serve
+    from loader_search.reports._dashboard import serve
     from loader_search.team._storage import open_storage, resolve_storage_url
 
     if not 0 <= port <= 65535:

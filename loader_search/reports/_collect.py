@@ -1,4 +1,4 @@
-"""Collecting a study into `ReportData` (`loader_search.report._data`): the trials' rows, the
+"""Collecting a study into `ReportData` (`loader_search.reports._data`): the trials' rows, the
 hypervolume history, the importances, the throughput grid, the memory boundary, the failures
 and the hardware groups.
 
@@ -30,7 +30,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.report._data import (
+from loader_search.reports._data import (
     HV_LOSS_MARGIN,
     INPUT_BOUND_THRESHOLD,
     Bound,

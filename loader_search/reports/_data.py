@@ -1,10 +1,10 @@
 """Report data: everything the study report shows, as plain values.
 
-Compute first, draw second: `loader_search.report._collect.collect` reads a study into a
+Compute first, draw second: `loader_search.reports._collect.collect` reads a study into a
 `ReportData` made of frozen dataclasses; `ReportData.as_dict` is what ``loader-search report
---format json`` prints, and `loader_search.report._html` only draws it. Tests check this
+--format json`` prints, and `loader_search.reports._html` only draws it. Tests check this
 structure, not pictures. The choices made computing the values are stated in
-`loader_search.report._collect`.
+`loader_search.reports._collect`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The report's figures: one plotly figure per plot of the page, drawn from a `ReportData`.
 
-Nothing is computed here that a test would need to check (`loader_search.report._collect` does
-that), and nothing here knows the page around the figures (`loader_search.report._html`).
+Nothing is computed here that a test would need to check (`loader_search.reports._collect` does
+that), and nothing here knows the page around the figures (`loader_search.reports._html`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from loader_search.report._data import ReportData, ReportTrial
+from loader_search.reports._data import ReportData, ReportTrial
 from loader_search.study._points import TrialPoint
 
 _TEMPLATE = "plotly_white"

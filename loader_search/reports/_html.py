@@ -1,7 +1,7 @@
 """Drawing the report: one self-contained HTML file from a `ReportData`.
 
-Nothing is computed here that a test would need to check; `loader_search.report._collect` does
-that. The figures are drawn in `loader_search.report._figures`; plotly's own
+Nothing is computed here that a test would need to check; `loader_search.reports._collect` does
+that. The figures are drawn in `loader_search.reports._figures`; plotly's own
 ``Figure.to_html`` writes each one's container and drawing script, and this module only adds
 the text around them.
 
@@ -23,8 +23,8 @@ import re
 
 from plotly.offline import get_plotlyjs
 
-from loader_search.report._data import ReportData
-from loader_search.report._figures import figures
+from loader_search.reports._data import ReportData
+from loader_search.reports._figures import figures
 
 # Plot ids, in page order; the browser test expects each container to hold a drawn plot.
 PLOT_IDS = (

@@ -14,7 +14,7 @@ that moves one fails there, by name, instead of deep inside a study.
   attributes in one transaction (`loader_search.study._trials`). Public fallback:
   ``trial.set_user_attr`` one by one.
 - ``optuna.study._frozen.FrozenStudy``: the type ``get_all_studies`` returns (the dashboard's
-  storage wrapper, `loader_search.report._dashboard`).
+  storage wrapper, `loader_search.reports._dashboard`).
 """
 
 from __future__ import annotations
