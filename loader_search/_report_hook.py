@@ -28,4 +28,5 @@ def report_val_loss(val_loss: SupportsFloat) -> None:
     except Exception as exc:
         from loader_search.trial._hookstate import one_line, write_error
 
-        write_error(folder, f"loader_search.report(val_loss={val_loss!r}): {one_line(exc)}")
+        kind = type(val_loss).__name__  # not its repr: a tensor's runs over many lines
+        write_error(folder, f"loader_search.report(val_loss=<{kind}>): {one_line(exc)}")

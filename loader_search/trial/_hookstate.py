@@ -1,4 +1,5 @@
-"""What the trial hook knows in one process of a command workload, and its state file.
+"""What the trial hook knows in one process of a command workload, its state file, and the
+measured iterators of the script's loaders.
 
 A command workload's processes (the script, each torchrun rank) load
 ``loader_search.trial._hook/sitecustomize.py`` at start-up; `loader_search.trial._inject`
@@ -10,7 +11,13 @@ Each process writes ``<trial dir>/proc-<pid>.json`` (a temporary file, then ``os
 so the service never reads half a file): at most every ``progress_interval_s`` from inside the
 user's loop, at once when the training budget is reached or a validation loss is reported, and
 at exit. A process that built, iterated and reported nothing (the torchrun launcher, a spawned
-loader worker) writes no file.
+loader worker) writes no file. The file holds ``pid``, ``rank``, ``world_size``,
+``local_rank`` (torch.distributed's once a group is up, else the environment's), ``loaders``
+(each: ``index``, ``site``, ``shuffle``, ``train``, ``iterable``, ``applied``,
+``not_applied``, and the ``num_workers`` and ``batch_size`` the loader really uses),
+``samples`` and ``batches`` (of the training loader), ``ticks`` (batches of the others),
+``budget_reached``, ``budget_reached_at``, ``window`` (`window_dict`, or null before the
+warm-up ends), ``peak_rss_bytes``, ``cpu_s`` and ``val_losses`` (``[time, value]`` pairs).
 """
 
 from __future__ import annotations
@@ -380,6 +387,8 @@ class TrainIter:
         return len(self._it)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_it":  # not set yet (a copy being made): no endless lookup
+            raise AttributeError(name)
         return getattr(self._it, name)
 
 
@@ -408,6 +417,8 @@ class TickIter:
         return len(self._it)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_it":  # not set yet (a copy being made): no endless lookup
+            raise AttributeError(name)
         return getattr(self._it, name)
 
 
