@@ -57,6 +57,7 @@ __all__ = [
     "dataloader_snippet",
     "init_study",
     "load_config",
+    "report",
     "run_study",
     "run_trial",
     "run_worker",
@@ -79,6 +80,15 @@ if TYPE_CHECKING:
     from loader_search.study._space import CpuRange, IntRange, SearchSpace
     from loader_search.trial import TrialResult, run_trial
     from loader_search.workloads import Workload
+
+
+def report(val_loss: float) -> None:
+    """Tell the trial running this training script its validation loss (call it after the
+    validation that follows the training budget). Outside a trial it does nothing; it never
+    raises into the script. See docs/scripts.md."""
+    from loader_search.trial import report_val_loss
+
+    report_val_loss(val_loss)
 
 
 def __getattr__(name: str) -> Any:

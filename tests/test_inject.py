@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import loader_search
-from loader_search._report_hook import report_val_loss
+from loader_search.trial._report import report_val_loss
 
 HOOK_DIR = Path(loader_search.__file__).parent / "trial" / "_hook"
 PACKAGE_PARENT = Path(loader_search.__file__).parent.parent
@@ -27,7 +27,7 @@ import os, sys
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset,
                               RandomSampler, TensorDataset)
-from loader_search._report_hook import report_val_loss
+from loader_search.trial._report import report_val_loss
 
 torch.manual_seed(0)
 x = torch.randn(512, 8)
@@ -331,7 +331,7 @@ def test_a_command_without_loader_search_runs_on_and_says_why(tmp_path: Path) ->
 def test_report_val_loss_outside_a_trial_is_a_cheap_no_op(tmp_path: Path) -> None:
     env = _env(None)
     probe = (
-        "import sys\nfrom loader_search._report_hook import report_val_loss\n"
+        "import sys\nfrom loader_search.trial._report import report_val_loss\n"
         "report_val_loss(0.5)\nprint('torch' in sys.modules)\n"
     )
     done = subprocess.run(
@@ -353,7 +353,7 @@ def test_report_val_loss_in_a_trial_writes_at_once_and_never_raises(tmp_path: Pa
     trial.mkdir()
     (trial / "settings.json").write_text(json.dumps(_settings()))
     probe = (
-        "import json, os, sys\nfrom loader_search._report_hook import report_val_loss\n"
+        "import json, os, sys\nfrom loader_search.trial._report import report_val_loss\n"
         "report_val_loss(0.5)\n"
         "state = json.load(open(os.path.join(sys.argv[1], f'proc-{os.getpid()}.json')))\n"
         "print(state['val_losses'][0][1], 'torch' in sys.modules)\n"

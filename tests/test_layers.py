@@ -1,4 +1,4 @@
-"""The layers import one way (docs/development.md): cli -> report -> study -> team -> trial ->
+"""The layers import one way (docs/development.md): cli -> reports -> study -> team -> trial ->
 workloads -> the base modules (params, errors, interrupts, ...). Every import in the package,
 at the top of a module or inside a function, is read from the source (``ast``) and checked."""
 
@@ -11,7 +11,7 @@ import loader_search
 
 PACKAGE = Path(loader_search.__file__).parent
 # Highest first; a module may import its own layer and the ones after it.
-LAYERS = ("cli", "report", "study", "team", "trial", "workloads")
+LAYERS = ("cli", "reports", "study", "team", "trial", "workloads")
 FACADES = {"loader_search/__init__.py", "loader_search/__main__.py"}  # the public entry points
 
 

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     # asking for a trial, and what comes back
     "TrialJob": "loader_search.trial._job",
+    "CommandSpec": "loader_search.trial._job",
+    "PLACEHOLDERS": "loader_search.trial._placeholders",
+    "report_val_loss": "loader_search.trial._report",
+    "placeholders_in": "loader_search.trial._placeholders",
     "WorkloadRecipe": "loader_search.trial._job",
     "TrialResult": "loader_search.trial._result",
     "TrialOutcome": "loader_search.trial._failures",
@@ -54,8 +58,10 @@ __all__ = [
     "INTERRUPTED",
     "MIN_MEASURED_BATCHES",
     "NO_LIMITS",
+    "PLACEHOLDERS",
     "TIMEOUT",
     "WORKER_KILLED",
+    "CommandSpec",
     "FreshHost",
     "TrialFailure",
     "TrialJob",
@@ -66,6 +72,8 @@ __all__ = [
     "build_loader",
     "can_isolate",
     "check_step_settings",
+    "placeholders_in",
+    "report_val_loss",
     "resolve_ranks",
     "run_isolated",
     "run_trial",
@@ -87,9 +95,11 @@ if TYPE_CHECKING:
         TrialOutcome,
     )
     from loader_search.trial._fresh import FreshHost
-    from loader_search.trial._job import TrialJob, WorkloadRecipe
+    from loader_search.trial._job import CommandSpec, TrialJob, WorkloadRecipe
     from loader_search.trial._loader import build_loader
+    from loader_search.trial._placeholders import PLACEHOLDERS, placeholders_in
     from loader_search.trial._ranks import resolve_ranks
+    from loader_search.trial._report import report_val_loss
     from loader_search.trial._result import TrialResult
     from loader_search.trial._run import (
         MIN_MEASURED_BATCHES,

@@ -71,7 +71,7 @@ def train_and_report(conn: Connection, job: TrialJob, device: str) -> Ended:
 
     conn.send(Ready())
     result = run_trial(
-        job.workload,
+        job.built,
         job.params,
         job.settings,
         device,

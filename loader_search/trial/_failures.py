@@ -36,6 +36,9 @@ FailureReason = Literal[
     "diverged",
     "crashed",
     "interrupted",
+    "not_applied",
+    "budget_not_honoured",
+    "no_val_loss",
     "inferred_oom",
     "refused",
     "lost",
@@ -48,6 +51,11 @@ EXCEPTION: Final = "exception"
 DIVERGED: Final = "diverged"
 CRASHED: Final = "crashed"
 INTERRUPTED: Final = "interrupted"
+# A command's own (loader_search.trial._command): its settings reached no loader it iterated;
+# it trained on past its budget without ending or reporting; it reported no validation loss.
+NOT_APPLIED: Final = "not_applied"
+BUDGET_NOT_HONOURED: Final = "budget_not_honoured"
+NO_VAL_LOSS: Final = "no_val_loss"
 
 # Deterministic for a setting on given hardware: running it again would fail again, so the
 # search should learn to avoid it (Optuna constraint) rather than merely skip it.
@@ -79,6 +87,19 @@ HINTS = {
         " workload alone with num_workers=0 to reproduce"
     ),
     INTERRUPTED: "interrupted: run the study again to continue it",
+    NOT_APPLIED: (
+        "the trial's loader settings reached no DataLoader the command iterated: pass them as"
+        " flags ({batch_size}, {num_workers}, ...) or pick the loader with [workload]"
+        " train_loader = N"
+    ),
+    BUDGET_NOT_HONOURED: (
+        "pass the budget to the script ({train_samples} or {max_steps}) or let it end its"
+        " epoch loop (the training loader yields nothing once the budget is used)"
+    ),
+    NO_VAL_LOSS: (
+        "call loader_search.report(val_loss=...) after the validation, or set [workload]"
+        " val_loss_pattern to a regular expression that finds it in the output"
+    ),
 }
 
 TRACEBACK_LINES = 15  # the tail of a traceback kept with a failure

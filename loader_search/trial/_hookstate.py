@@ -4,7 +4,7 @@ measured iterators of the script's loaders.
 A command workload's processes (the script, each torchrun rank) load
 ``loader_search.trial._hook/sitecustomize.py`` at start-up; `loader_search.trial._inject`
 patches the DataLoader there and keeps its counts here. This module imports nothing heavy
-(no torch, no psutil at import time): `loader_search._report_hook` reaches it from the user's
+(no torch, no psutil at import time): `loader_search.trial._report` reaches it from the user's
 script, which may call `loader_search.reports` outside a trial too.
 
 Each process writes ``<trial dir>/proc-<pid>.json`` (a temporary file, then ``os.replace``,

@@ -25,6 +25,24 @@ class WorkloadRecipe:
 
 
 @dataclass(frozen=True)
+class CommandSpec:
+    """The user's own training command as a trial's workload (`loader_search.trial._command`).
+
+    ``argv`` is the command with its placeholders (``{batch_size}``, ...) not yet filled in;
+    it runs in ``workdir``, never through a shell. ``val_loss_pattern`` is a regular
+    expression whose first group is the validation loss in the command's output (besides
+    ``loader_search.report(val_loss=...)``); ``train_loader`` picks the N-th DataLoader the
+    script builds as the training loader instead of the documented rule
+    (`loader_search.trial._inject`).
+    """
+
+    argv: tuple[str, ...]
+    workdir: str
+    val_loss_pattern: str | None = None
+    train_loader: int | None = None
+
+
+@dataclass(frozen=True)
 class TrialJob:
     """One trial: train ``workload`` with the loader ``params`` under ``settings`` on
     ``device``, doing what ``plan`` asks (see `RunPlan`).
@@ -38,9 +56,12 @@ class TrialJob:
     that recipe, instead of a child forked from this process that inherits ``workload``: the
     trial then shares no memory and no process state with this one, as a user's training
     script does (it costs the imports and the build, seconds, outside the measured window).
+
+    ``command`` runs the user's own training command instead of a workload (``workload`` is
+    then None): see `CommandSpec`.
     """
 
-    workload: Workload
+    workload: Workload | None
     params: LoaderParams
     settings: TrainingSettings
     device: torch.device | str = "cpu"
@@ -48,3 +69,15 @@ class TrialJob:
     cpus: Sequence[int] | None = None
     gpu: int | None = None
     fresh: WorkloadRecipe | None = None
+    command: CommandSpec | None = None
+
+    def __post_init__(self) -> None:
+        if (self.workload is None) == (self.command is None):
+            raise ValueError("a TrialJob trains either a workload or a command")
+
+    @property
+    def built(self) -> Workload:
+        """The workload a child trains (a job without a command has one)."""
+        if self.workload is None:
+            raise ValueError("this job runs a command, not a workload")
+        return self.workload

@@ -24,7 +24,7 @@ class TrialResult:
     warmup_batches: int
     epochs: int
     lr: float
-    final_train_loss: float
+    final_train_loss: float | None  # None: not seen (a command's own loop)
     train_time_s: float
     eval_time_s: float
     device: str
@@ -66,6 +66,9 @@ class TrialResult:
     # (lists, rank 0 first); the fields above are the node's.
     ranks: int | None = None
     per_rank: dict[str, list[Any]] | None = None
+    # A command's trial (loader_search.trial._command): where the script built the training
+    # loader the trial's settings went into ("file:line").
+    loader_site: str | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -117,8 +117,16 @@ def run_isolated(
 
     Where fork is unavailable (`can_isolate` is False), the trial runs in this process with the
     same classification but without limits or pinning (``isolated=False`` in the outcome).
+
+    A ``job.command`` runs the user's own training command instead
+    (`loader_search.trial._command`), watched, limited and classified the same way.
     """
     job = _checked(job)
+    if job.command is not None:  # the user's own command: a process of its own already
+        from loader_search.trial._command import run_command
+        from loader_search.trial._ranks import resolve_ranks
+
+        return run_command(job, limits, resolve_ranks(job.settings.ranks, job.device))
     if not can_isolate():
         if job.gpu is not None:
             job = dataclasses.replace(job, device=f"cuda:{job.gpu}")
@@ -129,7 +137,7 @@ def run_isolated(
         with FreshHost() as once:
             return _Supervisor(limits).run_fresh(job, once, keep=False)
     _refuse_if_cuda_initialised()
-    warm_up(job.workload)
+    warm_up(job.built)
     return _Supervisor(limits).run(job)
 
 
@@ -162,7 +170,7 @@ def _run_in_process(job: TrialJob) -> TrialOutcome:
 
     started = time.perf_counter()
     try:
-        result = run_trial(job.workload, job.params, job.settings, job.device, plan=job.plan)
+        result = run_trial(job.built, job.params, job.settings, job.device, plan=job.plan)
     except Exception as exc:  # KeyboardInterrupt propagates, as with isolation
         return TrialOutcome(
             None, classify_exception(exc), time.perf_counter() - started, 0.0, isolated=False

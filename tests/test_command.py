@@ -1,0 +1,275 @@
+"""A trial that runs the user's own training command: real scripts in real processes, the
+settings passed as flags or injected into the script's DataLoader by the start-up hook, the
+throughput read in the script's own loop, and every way such a command can end classified,
+with nothing of it left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from loader_search.errors import UserError
+from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
+from loader_search.trial import CommandSpec, TrialJob, TrialOutcome, run_isolated
+from loader_search.trial._placeholders import placeholders_in, render, to_inject, values
+
+# A small training script: a TensorDataset, a linear model, an epoch loop with a validation
+# pass after each epoch. ``{flags}`` and ``{loader}`` are filled in per test.
+SCRIPT = """
+import argparse, json, os, sys, time
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import loader_search
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--prefetch", type=int, default=2)
+parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--epochs", type=int, default=1000)
+parser.add_argument("--report", default="api")
+args = parser.parse_args()
+torch.manual_seed(0)
+x = torch.randn(512, 8)
+y = (x.sum(1) > 0).long()
+train = TensorDataset(x, y)
+val = TensorDataset(x[:128], y[:128])
+{loader}
+val_loader = DataLoader(val, batch_size=64)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+{before}
+for epoch in range(args.epochs):
+    seen = 0
+    for xb, yb in train_loader:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        seen += len(xb)
+        time.sleep(0.002)
+    with torch.no_grad():
+        loss = sum(torch.nn.functional.cross_entropy(model(a), b).item() for a, b in val_loader)
+    with open("seen.tmp", "w") as f:  # replaced whole: the trial may stop it at any time
+        json.dump(dict(batch_size=train_loader.batch_size, workers=train_loader.num_workers,
+                       epoch=epoch, seen=seen, env=sorted(os.environ)), f)
+    os.replace("seen.tmp", "seen.json")
+    if args.report == "api":
+        loader_search.report(val_loss=loss)
+    elif args.report == "print":
+        print(f"epoch {{epoch}} val_loss={{loss:.6f}}", flush=True)
+    {after}
+"""
+FLAG_LOADER = (
+    "train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True,"
+    " num_workers=args.workers,"
+    " prefetch_factor=args.prefetch if args.workers else None)"
+)
+PLAIN_LOADER = "train_loader = DataLoader(train, batch_size=16, shuffle=True)"
+
+
+def _script(folder: Path, loader: str = FLAG_LOADER, before: str = "", after: str = "") -> Path:
+    path = folder / "train.py"
+    path.write_text(textwrap.dedent(SCRIPT.format(loader=loader, before=before, after=after)))
+    return path
+
+
+def _job(
+    folder: Path,
+    argv: list[str],
+    params: LoaderParams | None = None,
+    *,
+    train_samples: int = 1024,
+    pattern: str | None = None,
+    plan: RunPlan | None = None,
+) -> TrialJob:
+    return TrialJob(
+        None,
+        params or LoaderParams(batch_size=32),
+        TrainingSettings(train_samples=train_samples, batch_size=32, lr=0.1, warmup_batches=2),
+        "cpu",
+        plan=plan or RunPlan(),
+        command=CommandSpec(tuple(argv), str(folder), val_loss_pattern=pattern),
+    )
+
+
+def _run(job: TrialJob, timeout_s: float = 60.0) -> TrialOutcome:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=timeout_s))
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == [], f"processes of the command left running: {left}"
+    return outcome
+
+
+def _seen(folder: Path) -> dict[str, object]:
+    return json.loads((folder / "seen.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_a_flag_script_trains_with_the_trials_flags_and_reports_its_loss(
+    tmp_path: Path,
+) -> None:
+    script = _script(tmp_path)
+    argv = [sys.executable, str(script), "--batch-size", "{batch_size}", "--workers"]
+    argv += ["{num_workers}", "--prefetch", "{prefetch_factor}", "--lr", "{lr}"]
+    params = LoaderParams(batch_size=64, num_workers=1, prefetch_factor=2)
+    outcome = _run(_job(tmp_path, argv, params))
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    assert result is not None
+    seen = _seen(tmp_path)
+    assert (seen["batch_size"], seen["workers"]) == (64, 1)
+    # The budget (1,024 samples of 512 an epoch) ended in the second epoch; the epochs after
+    # it are empty until the trial, which has the loss it needs, stops the script.
+    assert isinstance(seen["epoch"], int) and seen["epoch"] >= 1
+    assert result.throughput_samples_per_s > 0 and result.measured_samples > 0
+    assert result.train_samples >= 1024
+    assert result.val_loss is not None and 0 < result.val_loss < 10
+    assert result.loader_site is not None and result.loader_site.startswith(f"{script}:")
+
+
+def test_a_script_without_flags_gets_the_settings_in_its_dataloader(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN_LOADER)
+    params = LoaderParams(batch_size=32, num_workers=2, prefetch_factor=2)
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)], params))
+    assert outcome.failure is None, outcome.failure
+    seen = _seen(tmp_path)
+    assert (seen["batch_size"], seen["workers"]) == (32, 2)  # the script wrote 16 and 0
+    assert outcome.result is not None and outcome.result.val_loss is not None
+
+
+def test_the_validation_loss_can_come_from_the_output(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    argv = [sys.executable, str(script), "--report", "print"]
+    outcome = _run(_job(tmp_path, argv, pattern=r"val_loss=([-+0-9.eE]+)"))
+    assert outcome.failure is None, outcome.failure
+    assert outcome.result is not None and outcome.result.val_loss is not None
+
+
+def test_a_throughput_only_plan_stops_the_command_after_the_window(tmp_path: Path) -> None:
+    # The script would sleep for ever after its budget: the trial needs no validation.
+    script = _script(tmp_path, before="", after="time.sleep(3600)")
+    plan = RunPlan(short_samples=512, stop_early=True)
+    started = time.perf_counter()
+    outcome = _run(_job(tmp_path, [sys.executable, str(script), "--report", "none"], plan=plan))
+    assert outcome.failure is None, outcome.failure
+    assert outcome.result is not None and outcome.result.val_loss is None
+    assert time.perf_counter() - started < 60
+
+
+def test_secrets_never_reach_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOADER_SEARCH_STORAGE", "postgresql://u:hunter2@db/x")
+    monkeypatch.setenv("PGPASSWORD", "hunter2")
+    script = _script(tmp_path)
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)]))
+    assert outcome.failure is None, outcome.failure
+    env = _seen(tmp_path)["env"]
+    assert isinstance(env, list)
+    assert "LOADER_SEARCH_STORAGE" not in env and "PGPASSWORD" not in env
+    assert "LOADER_SEARCH_TRIAL_DIR" in env
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "report", "reason", "words"),
+    [
+        ("raise RuntimeError('boom in the script')", "", "api", "exception", "boom in the script"),
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+            "",
+            "api",
+            "crashed",
+            "SIGSEGV",
+        ),
+        ("time.sleep(3600)", "", "api", "timeout", "no training progress"),
+        ("", "", "none", "no_val_loss", "without reporting"),
+        ("", "time.sleep(3600) if epoch >= 2 else None", "none", "budget_not_honoured", "nor"),
+        ("", "break", "api", "budget_not_honoured", "of its 1,024"),
+    ],
+    ids=["raises", "segfault", "hangs", "never reports", "never ends", "ends early"],
+)
+def test_every_way_a_command_fails_is_classified(
+    tmp_path: Path, before: str, after: str, report: str, reason: str, words: str
+) -> None:
+    script = _script(tmp_path, before=before, after=after)
+    argv = [sys.executable, str(script), "--report", report]
+    started = time.perf_counter()
+    outcome = _run(_job(tmp_path, argv), timeout_s=4.0)
+    assert outcome.result is None
+    assert outcome.failure is not None
+    assert (outcome.failure.reason, words in outcome.failure.message) == (reason, True), (
+        outcome.failure
+    )
+    assert time.perf_counter() - started < 40
+
+
+def test_a_script_that_builds_no_loader_fails_as_not_applied(tmp_path: Path) -> None:
+    script = tmp_path / "nothing.py"
+    script.write_text("import torch\nprint('no loader here')\n")
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)]))
+    assert outcome.failure is not None and outcome.failure.reason == "not_applied"
+    assert "no loader here" in outcome.failure.traceback
+
+
+def test_a_grandchild_that_outlives_the_command_is_stopped(tmp_path: Path) -> None:
+    # A daemon in a session of its own: the process group kill alone would miss it.
+    spawn = (
+        "import subprocess; p = subprocess.Popen(['sleep', '300'], start_new_session=True);"
+        " open('grandchild.pid', 'w').write(str(p.pid))"
+    )
+    script = _script(tmp_path, before=spawn, after="time.sleep(1)")
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)]))
+    assert outcome.failure is None, outcome.failure
+    pid = int((tmp_path / "grandchild.pid").read_text())
+    deadline = time.time() + 10
+    while psutil.pid_exists(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert gone
+
+
+def test_placeholders_render_as_ordinary_flags() -> None:
+    argv = ["train.py", "--bs={batch_size}", "{prefetch_factor}", "{pin_memory}", "{lr}"]
+    argv += ["{persistent_workers}", "{max_steps}", "{{literal}}"]
+    settings = TrainingSettings(train_samples=1000, batch_size=32, lr=0.1, lr_scaling="linear")
+    filled = values(LoaderParams(batch_size=64, pin_memory=True), settings, ranks=1)
+    assert render(argv, filled) == ["train.py", "--bs=64", "2", "1", "0.2", "0", "16", "{literal}"]
+    assert to_inject(argv) == ["num_workers"]  # the only loader setting without a flag
+    assert placeholders_in(["x"]) == set()
+
+
+@pytest.mark.parametrize(
+    ("arg", "words"),
+    [("{batch}", "unknown placeholder {batch}"), ("{batch_size", "literal brace")],
+)
+def test_a_bad_placeholder_is_one_line_naming_it(arg: str, words: str) -> None:
+    with pytest.raises(UserError, match=r"workload\.command") as caught:
+        placeholders_in(["train.py", arg])
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_lr_without_the_scripts_learning_rate_is_refused() -> None:
+    filled = values(LoaderParams(batch_size=64), TrainingSettings(), ranks=1)
+    with pytest.raises(UserError, match=r"\[training\] lr"):
+        render(["train.py", "--lr", "{lr}"], filled)
+
+
+def test_a_command_that_cannot_start_fails_naming_it(tmp_path: Path) -> None:
+    outcome = _run(_job(tmp_path, [str(tmp_path / "no-such-program")]))
+    assert outcome.failure is not None and outcome.failure.reason == "exception"
+    assert "no-such-program" in outcome.failure.message
+
+
+def test_no_trial_folder_is_left_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    script = _script(tmp_path, before="raise SystemExit(3)")
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)]))
+    assert outcome.failure is not None
+    assert [name for name in os.listdir(temp) if name.startswith("loader-search")] == []
