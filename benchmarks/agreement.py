@@ -14,7 +14,7 @@ reading of a round, not one method):
   (`loader_search.trial.FreshHost`), as a study's confirmation trial runs with
   ``confirm_process = "fresh"``;
 - ``fresh``: the same trial, the same code and plan, run by a fresh Python process itself
-  (``python -m benchmarks.agreement --one``: imports, the workload built, no fork), as a
+  (`benchmarks._fresh`: imports, the workload built, no fork), as a
   user's script runs its training;
 - ``reference``: the plain loop, over its median window.
 
@@ -30,13 +30,8 @@ kept fresh process reads as a new process does.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
@@ -44,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import reference
+from benchmarks._fresh import in_fresh_process
 from benchmarks.ground_truth import QUICKSTART, measure, measure_in_process, quick_config
 from loader_search.params import LoaderParams
 from loader_search.study._config import StudyConfig, load_config
@@ -137,28 +133,21 @@ def _become_a_worker(config: StudyConfig, seed: int, log: Any) -> None:
 def fresh_reading(config_path: Path, params: LoaderParams, *, quick: bool) -> float:
     """One reading of ``params`` as the runner's trial, run by a fresh Python process itself
     (see the module docstring); raises on its failure."""
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.agreement",
-        "--one",
-        str(config_path),
-        json.dumps(params.as_dict()),
-        *(["--quick"] if quick else []),
-    ]
-    root = str(Path(__file__).resolve().parent.parent)
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env={**os.environ, "PYTHONPATH": path},
-        check=False,
+    return float(
+        in_fresh_process(
+            reading_in_this_process,
+            str(config_path),
+            params.as_dict(),
+            quick=quick,
+            timeout_s=TIMEOUT_S,
+            what=f"a fresh reading of {params.describe()}",
+        )
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"a fresh reading of {params.describe()} failed: {done.stderr[-2000:]}")
-    return float(done.stdout.strip().splitlines()[-1])
+
+
+def reading_in_this_process(config_path: str, params: dict[str, Any], *, quick: bool) -> float:
+    """What `fresh_reading` runs in its fresh process (plain data in and out)."""
+    return measure_in_process(Path(config_path), LoaderParams.from_dict(params), quick=quick)
 
 
 def summarise(
@@ -251,23 +240,3 @@ def section(result: dict[str, Any]) -> str:
         ]
         lines.append(f"| {row['setting']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def main() -> None:
-    """``--one CONFIG PARAMS [--quick]``: one reading in this process, printed (what
-    `fresh_reading` runs in a fresh one). The benchmark itself runs from ``python -m
-    benchmarks agreement``."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--one", nargs=2, metavar=("CONFIG", "PARAMS"), required=True)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    config_path, params = args.one
-    print(
-        measure_in_process(
-            Path(config_path), LoaderParams.from_dict(json.loads(params)), quick=args.quick
-        )
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,6 @@
-"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,scale,backends,all}
-[--quick]``.
+"""``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,agreement,scale,backends,
+all} [--quick]``, and ``python -m benchmarks {steps,ranks,selection,stopping} ...`` with
+options of their own (``--help`` after the name).
 
 See benchmarks/README.md.
 """
@@ -11,8 +12,10 @@ import dataclasses
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,14 @@ from benchmarks import (
     claims,
     ground_truth,
     model,
+    ranks,
     replay,
     resolve,
     scale,
+    selection,
     speedup,
+    steps,
+    stopping,
 )
 from loader_search._system import cpu_model, usable_cpus
 from loader_search.study._config import load_config
@@ -33,6 +40,14 @@ from loader_search.study._points import TrialPoint, pareto_front
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
+# Parts of the suite that are not part of `all` and take options of their own: the name
+# hands the rest of the command line to the module's own parser.
+OWN_OPTIONS: dict[str, Callable[[list[str]], None]] = {
+    "steps": steps.main,
+    "ranks": ranks.main,
+    "selection": selection.main,
+    "stopping": stopping.main,
+}
 
 
 def machine() -> str:
@@ -545,10 +560,15 @@ def scale_section(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in OWN_OPTIONS:
+        OWN_OPTIONS[argv[0]](argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument(
         "command",
         choices=[
+            *OWN_OPTIONS,
             "ground-truth",
             "resolve",
             "replay",
@@ -574,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=claims.EXTEND_TO,
         help="claims: continue each study's confirmation rounds to this many after it stops,"
-        " as its worker would have run them (0: none), for python -m benchmarks.stopping",
+        " as its worker would have run them (0: none), for python -m benchmarks stopping",
     )
     parser.add_argument(
         "--beside-rounds",
@@ -644,6 +664,10 @@ def main(argv: list[str] | None = None) -> None:
         help="folder for results (default: benchmarks/data, or a temp folder with --quick)",
     )
     args = parser.parse_args(argv)
+    if args.command in OWN_OPTIONS:  # after an option: its own parser never saw the rest
+        parser.error(
+            f"{args.command} takes its own options: python -m benchmarks {args.command} ..."
+        )
     budgets = [int(b) for b in args.budgets.split(",")]
     seeds, repeats, rounds = args.seeds, args.repeats, args.rounds
     if args.quick:
@@ -651,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
     out: Path = args.out or (DATA if not args.quick else Path(tempfile.mkdtemp(prefix="bench-")))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if args.command == "scale":  # its own file: a list of rows (issue 14's shape)
+    if args.command == "scale":  # its own file: a list of rows (the shape README.md gives)
         rows = scale.run(
             out / ("scale_quick.json" if args.quick else "scale.json"),
             backends=args.backends.split(","),

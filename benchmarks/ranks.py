@@ -1,11 +1,11 @@
 """Multi-rank trials against a plain DDP loop, and three ways to set a 2-rank node's loaders.
 
-``python -m benchmarks.ranks [--rounds 6] [--trials 12] [--out DIR]``, in the GPU stand-in
+``python -m benchmarks ranks [--rounds 6] [--trials 12] [--out DIR]``, in the GPU stand-in
 regime (``studies/standin.toml``: the training step waits on a "device" with the GIL
 released, so the node is loader-bound), with 2 ranks on the CPU (gloo):
 
 1. **Agreement**: the service's 2-rank trial (`run_isolated`, ``[training] ranks = 2``) and a
-   plain two-process DDP loop written here (``python -m benchmarks.ranks --plain``: two
+   plain two-process DDP loop written here (in a fresh process, `benchmarks._fresh`: two
    forked processes, gloo over a FileStore, `DistributedSampler`, DDP, a barrier at each
    window edge, all ranks' samples over the window; it shares no code with
    `loader_search.trial`), on the same settings, in alternating order. Target: the medians
@@ -26,13 +26,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from benchmarks._fresh import in_fresh_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "studies" / "standin.toml"
@@ -125,17 +125,9 @@ def plain_reading(params: dict[str, Any]) -> float:
 
 
 def _plain(params: dict[str, Any]) -> float:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ranks", "--plain", json.dumps(params)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=TIMEOUT_S,
-        check=False,
+    return float(
+        in_fresh_process(plain_reading, params, timeout_s=TIMEOUT_S, what="the plain DDP loop")
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"the plain DDP loop failed: {done.stderr[-2000:]}")
-    return float(done.stdout.strip().splitlines()[-1])
 
 
 # --- the runner ---------------------------------------------------------------------------
@@ -286,18 +278,12 @@ def table(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks ranks", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--trials", type=int, default=12, help="trials of each study")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "data")
-    parser.add_argument("--plain", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.plain:
-        print(plain_reading(json.loads(args.plain)))
-        return
+    args = parser.parse_args(argv)
     run(args.rounds, args.trials, args.out)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,8 +3,8 @@ readings.
 
 It shares no code with `loader_search.trial` (the trial runner it checks): only the workload's
 data, model, loss and optimizer come from `loader_search.workloads`, and the settings from
-the study config. Each reading is a fresh Python process (``python -m benchmarks.reference``),
-as a user's training script is:
+the study config. Each reading is a fresh Python process (`benchmarks._fresh`), as a user's
+training script is:
 
 1. ``torch.set_num_threads``, a seeded model and optimizer, the learning rate of the batch
    size (the study's rule), a ``torch.utils.data.DataLoader`` built with the setting's
@@ -22,31 +22,26 @@ Nothing else runs in the process: no meters, no progress pings, no memory sampli
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from benchmarks._fresh import in_fresh_process
 
 WARMUP_BATCHES = 10
 WINDOWS = 3
 WINDOW_BATCHES = 40
 # For --quick runs of the benchmarks: checks the code path, not timings.
 QUICK_WINDOW = {"warmup": 2, "windows": 2, "window_batches": 4}
-TIMEOUT_S = 600  # one reading; a hung loader fails the benchmark instead of stalling it
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def train_and_time(
-    config_path: Path,
+    config_path: Path | str,
     params: dict[str, Any],
     *,
     warmup: int = WARMUP_BATCHES,
@@ -121,48 +116,12 @@ def reading(
     **window: int,
 ) -> dict[str, Any]:
     """One reading in a fresh process (see the module docstring); raises on its failure."""
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.reference",
+    result: dict[str, Any] = in_fresh_process(
+        train_and_time,
         str(config_path),
-        json.dumps(params),
-        f"--options={json.dumps(dict(options or {}))}",
-        *(f"--{name.replace('_', '-')}={value}" for name, value in window.items()),
-    ]
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False
+        params,
+        options=dict(options or {}),
+        what=f"the reference loop for {params}",
+        **window,
     )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"the reference loop failed for {params}: {done.stderr.strip()[-2000:]}"
-        )
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.reference", description=__doc__)
-    parser.add_argument("config", type=Path, help="study config file (workload, training)")
-    parser.add_argument("params", help="loader settings as JSON (LoaderParams.as_dict)")
-    parser.add_argument("--warmup", type=int, default=WARMUP_BATCHES)
-    parser.add_argument("--windows", type=int, default=WINDOWS)
-    parser.add_argument("--window-batches", type=int, default=WINDOW_BATCHES)
-    parser.add_argument("--options", default="{}", help="workload options to override, as JSON")
-    args = parser.parse_args(argv)
-    if args.warmup < 1 or args.windows < 1 or args.window_batches < 1:
-        parser.error("--warmup, --windows and --window-batches must be at least 1")
-    result = train_and_time(
-        args.config,
-        json.loads(args.params),
-        warmup=args.warmup,
-        windows=args.windows,
-        window_batches=args.window_batches,
-        options=json.loads(args.options),
-    )
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return result

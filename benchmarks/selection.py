@@ -1,6 +1,6 @@
 """The confirmation rounds on simulated readings: how far the stated speedup is from the truth.
 
-``python -m benchmarks.selection [--studies 300]`` runs the study's own round logic
+``python -m benchmarks selection [--studies 300]`` runs the study's own round logic
 (`next_remeasure`, `summarize_trials`) on in-memory Optuna studies whose readings are drawn
 from known speeds: the machine's drift (log-normal, 10%; shared by the readings of one round)
 times each reading's own noise. Two candidates, true speedups given per case; the search's
@@ -169,10 +169,12 @@ def _row(
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks selection", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--studies", type=int, default=300, help="simulated studies per row")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     print(
         "| case (true speedups) | reading noise | rule | stated / true: median / mean"
@@ -190,5 +192,5 @@ def main() -> None:
                 print(_row(name, rule, noise, results, speeds), flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the module's name, as comments in loader_search/ cite it
     main()

@@ -1,10 +1,10 @@
 """The loader settings under each training step: fp32 eager, bf16, compile, bf16 + compile.
 
-``python -m benchmarks.steps [--quick] [--out DIR]`` trains, for the quickstart
+``python -m benchmarks steps [--quick] [--out DIR]`` trains, for the quickstart
 (``studies/quickstart.toml``) and the text workload (``studies/text.toml``), each step
 variant with a small grid of loader settings (no workers and 2 torch threads; 1 or 2
 persistent workers, prefetch 2, 1 torch thread), one trial per setting, each in a fresh
-process (``python -m benchmarks.steps --one ...``: every trial compiles, as a study's do),
+process (`benchmarks._fresh`: every trial compiles, as a study's do),
 the variants and settings interleaved in one run. Per workload and variant it prints the
 ceiling (the same step fed pre-decoded batches), each setting's throughput, the best setting,
 its share of the ceiling, and the compile time. The figures land in ``steps.json`` and
@@ -14,7 +14,7 @@ What it shows: whether a faster step asks more of the loader (the best setting's
 ceiling falls, more workers win) or, on a CPU, a slower one (bf16 autocast without AMX) asks
 less.
 
-``python -m benchmarks.steps --standin``: the same question where the step's speed is set,
+``python -m benchmarks steps --standin``: the same question where the step's speed is set,
 not found: in the GPU stand-in regime (``studies/standin.toml``: the "device" waits a fixed
 time per sample with the GIL released) a study for each of three device speeds, each twice
 as fast as the one before (300, 150, 75 us per sample). Per speed: the ceiling, the workers
@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._fresh import in_fresh_process
 from loader_search.study._keys import CEILING_ATTR, PRODUCER_COST
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,18 +89,15 @@ def one(
 
 
 def _reading(config: str, variant: str, setting: str, samples: int) -> dict[str, Any]:
-    args = json.dumps([config, VARIANTS[variant], SETTINGS[setting], samples])
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.steps", "--one", args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=TIMEOUT_S,
-        check=False,
+    attrs: dict[str, Any] = in_fresh_process(
+        one,
+        config,
+        VARIANTS[variant],
+        SETTINGS[setting],
+        samples,
+        timeout_s=TIMEOUT_S,
+        what=f"{variant} / {setting}",
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"{variant} / {setting} failed:\n{done.stderr[-2000:]}")
-    attrs: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return attrs
 
 
@@ -260,24 +256,21 @@ def standin_table(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks steps", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="2 variants, short trials")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument(
         "--standin", action="store_true", help="the stand-in regime at three device speeds"
     )
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.standin:
         standin(args.out, args.quick)
-        return
-    if args.one:
-        config, variant, params, samples = json.loads(args.one)
-        print(json.dumps(one(config, variant, params, samples)))
         return
     run(args.out, args.quick)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # scripts/gpu_check.sh runs it by its module name
     main()

@@ -28,7 +28,7 @@ Only studies whose confirmation trials ran in a fresh process (``confirm_process
 
 Second, every rule on resampled rounds (`resampled`): each study with enough rounds on
 record gives studies of rounds drawn from its own, its truth the mean of all of them, which
-isolates the rule's own error on real noise. Run: ``python -m benchmarks.stopping [FILE ...]
+isolates the rule's own error on real noise. Run: ``python -m benchmarks stopping [FILE ...]
 [--draws 150]`` (default: the fresh-process claims on record in benchmarks/data).
 """
 
@@ -243,15 +243,15 @@ def resampled_table(studies: Sequence[Recorded], draws: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.stopping", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks stopping", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("files", nargs="*", type=Path, help="claims runs' JSON files")
     parser.add_argument(
         "--draws", type=int, default=150, help="resampled studies per study on record (0: none)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     files = args.files or [DATA / f"{name}.json" for name in FRESH_RUNS]
     studies = recorded([f for f in files if f.exists()])
     print(table(studies))
@@ -260,5 +260,5 @@ def main() -> None:
         print(resampled_table(studies, args.draws))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the module's name, as comments in loader_search/ cite it
     main()
