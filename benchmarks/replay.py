@@ -4,7 +4,8 @@ Every trial of a replayed study goes through the service's own code: its sampler
 (`loader_search.study._open.make_sampler`), its search space (`ResolvedSpace.suggest`), the
 baseline first, its early stop (`loader_search.study._plan.plan_trial`), the worker's budget
 decision (`loader_search.study._budget.decide`: the next trial, the baseline, re-measurement of
-the candidates) and its recommendation rule (`summarize_trials`). Only the
+the candidates) and its queueing of what that decision asks for (`_take.queue_decision`), and
+its recommendation rule (`summarize_trials`). Only the
 training is replaced: a trial is answered with one of the table's real repeats of its
 configuration, drawn at random, so the replay sees the measurement noise a study sees: its
 throughput over the study's window (warm-up to the early-stop mark, as every trial is scored)
@@ -45,7 +46,6 @@ from benchmarks.ground_truth import Entry, Space
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.study._budget import (
     FINISHED_STATES,
-    Confirm,
     Done,
     Take,
     Wait,
@@ -59,8 +59,6 @@ from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
     COLLATE_COST,
-    CONFIRM_ROUND_ATTR,
-    CONFIRMATION_ATTR,
     DIRECTIONS,
     MAIN_COST,
     MODEL_ROUND_ATTR,
@@ -75,6 +73,7 @@ from loader_search.study._open import make_sampler
 from loader_search.study._plan import plan_trial
 from loader_search.study._recommend import hypervolume_2d, summarize_trials
 from loader_search.study._space import IntRange, ResolvedSpace
+from loader_search.study._take import queue_decision
 
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
 HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)
@@ -306,25 +305,8 @@ class _Replay:
                 return self._trials()
             if isinstance(decision, Wait):
                 raise AssertionError(f"{decision.running} replayed trial(s) left running")
-            if isinstance(decision, Confirm):
-                self.study.enqueue_trial(
-                    self.space.trial_params(decision.remeasure.params),
-                    user_attrs={
-                        CONFIRMATION_ATTR: True,
-                        CONFIRM_ROUND_ATTR: decision.remeasure.round,
-                    },
-                    skip_if_exists=False,
-                )
-            elif decision.baseline:
-                self.study.enqueue_trial(
-                    self.space.baseline(self.training.batch_size), user_attrs={BASELINE_ATTR: True}
-                )
-            for proposal in decision.propose if isinstance(decision, Take) else ():
-                self.study.enqueue_trial(
-                    self.space.trial_params(proposal.params),
-                    user_attrs={MODEL_ROUND_ATTR: proposal.round},
-                    skip_if_exists=False,
-                )
+            # Queued by the worker's own code, as a worker queues under the study lock.
+            queue_decision(self.study, self.space, self.training.batch_size, decision)
             self.trial(baseline=isinstance(decision, Take) and decision.baseline)
 
     def _trials(self) -> list[FrozenTrial]:

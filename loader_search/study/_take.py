@@ -63,6 +63,7 @@ from loader_search.study._machine import hardware_mismatch
 from loader_search.study._optuna_compat import trial_id
 from loader_search.study._pipeline import PipelineModel, PipelineSnapshot
 from loader_search.study._record import record_interrupted
+from loader_search.study._space import ResolvedSpace
 from loader_search.study._timings import Clock
 from loader_search.study._trials import write_user_attrs
 from loader_search.team._db_errors import outage, retrying
@@ -259,11 +260,18 @@ def _decide(
 
 def _queue(session: Session, decision: Take | Confirm) -> None:
     """Queue the trials ``decision`` asks for, so that the next `ask` takes the first."""
-    study = session.study
+    queue_decision(session.study, session.space, session.config.training.batch_size, decision)
+
+
+def queue_decision(
+    study: optuna.Study, space: ResolvedSpace, batch_size: int, decision: Take | Confirm
+) -> None:
+    """`_queue` on its parts (the study, its space, the training's batch size), so that the
+    benchmarks' replay queues its trials with this very code."""
     if isinstance(decision, Confirm):
         # The next trial of the paired rounds against the baseline (see _confirm).
         study.enqueue_trial(
-            session.space.trial_params(decision.remeasure.params),
+            space.trial_params(decision.remeasure.params),
             user_attrs={
                 CONFIRMATION_ATTR: True,
                 CONFIRM_ROUND_ATTR: decision.remeasure.round,
@@ -274,11 +282,10 @@ def _queue(session: Session, decision: Take | Confirm) -> None:
     if decision.baseline:
         # Queued by the worker that takes the first trial: the baseline's thread count
         # depends on the machine that runs it.
-        batch_size = session.config.training.batch_size
-        study.enqueue_trial(session.space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
+        study.enqueue_trial(space.baseline(batch_size), user_attrs={BASELINE_ATTR: True})
     for proposal in decision.propose:
         study.enqueue_trial(
-            session.space.trial_params(proposal.params),
+            space.trial_params(proposal.params),
             user_attrs={MODEL_ROUND_ATTR: proposal.round},
             skip_if_exists=False,
         )
