@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,8 +19,8 @@ from torch import nn
 
 from loader_search._snippets import dataloader_snippet
 from loader_search.errors import ConfigError
-from loader_search.params import LoaderParams, RunPlan, TrainingSettings
-from loader_search.trial import run_trial
+from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
+from loader_search.trial import TrialJob, run_isolated, run_trial
 from loader_search.trial._step import (
     Step,
     check_step_settings,
@@ -91,6 +92,43 @@ def test_a_batch_is_cut_to_the_budget_in_every_tensor_of_its_size() -> None:
     assert cut["x"].shape == (3, 3) and cut["y"].shape == (3,)
     assert cut["table"].shape == (5, 2)  # not of the batch's size: kept whole
     assert step.take(batch, 8) is batch
+
+
+@pytest.mark.timeout(60)  # a count of 0 used to train for ever
+@pytest.mark.parametrize("returned", [0, -3, 2.5, 10**12])
+def test_a_batch_size_of_that_is_not_a_count_of_the_batch_fails_the_trial_at_once(
+    returned: float,
+) -> None:
+    # 0 or less never advanced the budget: the trial trained for ever, its every step a
+    # progress ping; 2.5 and 10**12 failed with messages about something else.
+    def size_of(batch: Any) -> int:
+        return returned  # type: ignore[return-value]  # a plug-in's wrong answer, on purpose
+
+    workload = Workload(
+        "w", TimedDataset(512), TimedDataset(64), linear_model, batch_size_of=size_of
+    )
+    job = TrialJob(
+        workload, LoaderParams(32, 0, torch_threads=1), TrainingSettings(train_samples=1024)
+    )
+    started = time.perf_counter()
+    outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=10))
+    failure = outcome.failure
+    assert failure is not None and failure.reason == "exception", failure
+    assert "batch_size_of" in failure.message and f"returned {returned}:" in failure.message
+    assert time.perf_counter() - started < 8
+
+
+@pytest.mark.timeout(60)  # steps used to count as progress, samples or none
+def test_steps_that_train_no_samples_are_no_progress_and_time_out() -> None:
+    def empty(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(0, 16), torch.empty(0, dtype=torch.long)  # batches of no sample
+
+    workload = Workload("w", TimedDataset(512), TimedDataset(64), linear_model, collate_fn=empty)
+    job = TrialJob(
+        workload, LoaderParams(32, 0, torch_threads=1), TrainingSettings(train_samples=1024)
+    )
+    outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=3))
+    assert outcome.failure is not None and outcome.failure.reason == "timeout", outcome.failure
 
 
 # --- settings and their errors ------------------------------------------------------------

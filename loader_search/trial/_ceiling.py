@@ -56,7 +56,7 @@ def measure_ceiling(
     )
     batches = []
     for batch in loader:
-        if step.size(batch) < micro:
+        if step.size(batch, micro) < micro:
             break  # a short last batch would compile a new shape and time another step
         batches.append(step.prepare(batch))
         if len(batches) == CEILING_DISTINCT_BATCHES:

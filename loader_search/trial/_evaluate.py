@@ -41,7 +41,7 @@ def evaluate(
     count = 0
     classification = True
     for batches, batch in enumerate(loader, start=1):
-        n = step.size(batch)
+        n = step.size(batch, eval_params.batch_size)
         batch = step.prepare(batch)
         loss, outputs = step.eval_loss(batch)
         total_loss += float(loss) * n

@@ -104,9 +104,9 @@ def run_trial(
     """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure
     (and what ``plan`` asks, see `RunPlan`).
 
-    ``progress`` is called after every training step and every evaluation batch: it is the
-    progress ping `loader_search.trial._supervisor` watches to tell a slow trial from a hung one.
-    It must be cheap (it runs inside the timed window).
+    ``progress`` is called after every training step that trained samples and every
+    evaluation batch: it is the progress ping `loader_search.trial._supervisor` watches to
+    tell a slow trial from a hung one. It must be cheap (it runs inside the timed window).
 
     Raises `TrainingDiverged` when the loss becomes non-finite, and ``ValueError`` when the
     budget is too small to measure anything after the warm-up.

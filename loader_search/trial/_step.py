@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
+import reprlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -90,6 +92,31 @@ def default_batch_size(batch: Any) -> int:
             " tensor with a batch dimension; give the workload a batch_size_of function"
         )
     return int(tensor.shape[0])
+
+
+def checked_batch_size(value: object, most: int | None) -> int:
+    """``value``, what the workload's ``batch_size_of`` returned, as a sample count: a whole
+    number from 1 to ``most`` (the loader's batch size, when known), else ``ValueError``
+    naming the function and the value.
+
+    The count is what advances the trial's budget: 0 or less never did, so the trial
+    trained for ever, and a count above the batch (or a fraction, truncated) ended it with
+    a message about something else.
+    """
+    count: int | None = None
+    if isinstance(value, float) and value.is_integer():
+        count = int(value)
+    elif not isinstance(value, (bool, float)):
+        with contextlib.suppress(TypeError):
+            count = operator.index(value)  # type: ignore[arg-type]
+    if count is None or count < 1 or (most is not None and count > most):
+        limit = f" (the loader's batch_size is {most})" if most is not None else ""
+        raise ValueError(
+            f"the workload's batch_size_of returned {reprlib.repr(value)}: it must return"
+            f" the number of samples in the batch, a whole number from 1 to the batch"
+            f" size{limit}"
+        )
+    return count
 
 
 def check_step_settings(settings: TrainingSettings, device: torch.device) -> None:
@@ -174,10 +201,12 @@ class Step:
             batch = tree_map(batch, channels_last_input)
         return batch
 
-    def size(self, batch: Any) -> int:
-        """How many samples ``batch`` holds."""
+    def size(self, batch: Any, most: int | None = None) -> int:
+        """How many samples ``batch`` holds; a loader's batch of at most ``most`` samples
+        (its batch size) when given, which the workload's ``batch_size_of`` is held to
+        (`checked_batch_size`)."""
         if self.workload.batch_size_of is not None:
-            return int(self.workload.batch_size_of(batch))
+            return checked_batch_size(self.workload.batch_size_of(batch), most)
         return default_batch_size(batch)
 
     def take(self, batch: Any, n: int) -> Any:

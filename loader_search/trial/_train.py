@@ -98,7 +98,7 @@ def train(
         meter.wait_end()
         stages.received(timed, time.thread_time() - cpu_before, in_process)
         batch = timed.batch
-        size = step.size(batch)
+        size = step.size(batch, params.micro_batch_size)
         n = min(size, budget - seen)
         if n < size:  # the budget is exact, whatever the batch size
             batch = step.take(batch, n)
@@ -136,7 +136,8 @@ def train(
         if meter.in_window and not stages.is_open:
             stages.open()  # the same batches as the throughput window
         mark.reached(seen, meter, stages)
-        progress()
+        if n > 0:  # progress is samples trained: steps that train none must time out
+            progress()
     # The window closes before the iterator is dropped: shutting workers down is not training,
     # and persistent and non-persistent loaders must be timed alike.
     stats = meter.finish()
