@@ -18,7 +18,12 @@ import pytest
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
 from loader_search.trial import CommandSpec, TrialJob, TrialOutcome, run_isolated
-from loader_search.trial._placeholders import placeholders_in, render, to_inject, values
+from loader_search.trial._placeholders import (
+    placeholder_values,
+    placeholders_in,
+    render_command,
+    to_inject,
+)
 
 # A small training script: a TensorDataset, a linear model, an epoch loop with a validation
 # pass after each epoch. ``{flags}`` and ``{loader}`` are filled in per test.
@@ -236,8 +241,17 @@ def test_placeholders_render_as_ordinary_flags() -> None:
     argv = ["train.py", "--bs={batch_size}", "{prefetch_factor}", "{pin_memory}", "{lr}"]
     argv += ["{persistent_workers}", "{max_steps}", "{{literal}}"]
     settings = TrainingSettings(train_samples=1000, batch_size=32, lr=0.1, lr_scaling="linear")
-    filled = values(LoaderParams(batch_size=64, pin_memory=True), settings, ranks=1)
-    assert render(argv, filled) == ["train.py", "--bs=64", "2", "1", "0.2", "0", "16", "{literal}"]
+    filled = placeholder_values(LoaderParams(batch_size=64, pin_memory=True), settings, ranks=1)
+    assert render_command(argv, filled) == [
+        "train.py",
+        "--bs=64",
+        "2",
+        "1",
+        "0.2",
+        "0",
+        "16",
+        "{literal}",
+    ]
     assert to_inject(argv) == ["num_workers"]  # the only loader setting without a flag
     assert placeholders_in(["x"]) == set()
 
@@ -253,9 +267,9 @@ def test_a_bad_placeholder_is_one_line_naming_it(arg: str, words: str) -> None:
 
 
 def test_lr_without_the_scripts_learning_rate_is_refused() -> None:
-    filled = values(LoaderParams(batch_size=64), TrainingSettings(), ranks=1)
+    filled = placeholder_values(LoaderParams(batch_size=64), TrainingSettings(), ranks=1)
     with pytest.raises(UserError, match=r"\[training\] lr"):
-        render(["train.py", "--lr", "{lr}"], filled)
+        render_command(["train.py", "--lr", "{lr}"], filled)
 
 
 def test_a_command_that_cannot_start_fails_naming_it(tmp_path: Path) -> None:

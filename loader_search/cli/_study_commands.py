@@ -21,10 +21,24 @@ from loader_search.cli._options import (
 )
 from loader_search.cli._summary import print_summary
 
+RunTarget = Annotated[
+    list[str],
+    typer.Argument(
+        help=(
+            "A study config file (TOML), e.g. studies/quickstart.toml; or, after `--`, your"
+            " own training command with placeholders: `-- python train.py --batch-size"
+            " {batch_size}` (a study named after the script, every other setting at its"
+            " default)."
+        ),
+        metavar="CONFIG | -- COMMAND...",
+        show_default=False,
+    ),
+]
+
 
 @reports_errors
 def run(
-    config: ConfigArgument,
+    target: RunTarget,
     storage: StorageOption = None,
     study_name: StudyNameOption = None,
     n_trials: BudgetOption = None,
@@ -46,11 +60,19 @@ def run(
     the best candidates and the baseline are measured again (beyond the budget) so that the
     recommendation rests on medians. `loader-search worker` processes on other machines can
     join it meanwhile.
+
+    With `-- COMMAND...` every trial runs your own training script, unchanged: the trial's
+    settings reach it as the placeholders' values, and those without a placeholder are put
+    into its training DataLoader (docs/scripts.md).
     """
-    from loader_search.study._config import load_config
+    from loader_search.study._config import command_config, load_config
     from loader_search.team._storage import check_shared, resolve_storage_url
 
-    cfg = load_config(config).with_overrides(name=study_name, timeout_s=timeout)
+    if len(target) == 1 and target[0].endswith(".toml"):
+        cfg = load_config(target[0])
+    else:
+        cfg = command_config(target)
+    cfg = cfg.with_overrides(name=study_name, timeout_s=timeout)
     pinned = parse_cpus(cpus)
     check_shared(resolve_storage_url(storage), "run")
     from loader_search.study._session import run_study  # torch: only once the config is known good
@@ -129,6 +151,19 @@ def worker(
             show_default=False,
         ),
     ] = None,
+    allow_command: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-command",
+            help=(
+                "Run this training command if the study's workload is it, word for word"
+                " (quote it whole: --allow-command 'python train.py --batch-size"
+                " {batch_size}'); repeat for more. Without it a worker runs no command from"
+                " the database (also: LOADER_SEARCH_ALLOW_COMMANDS, one a line)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Join a study created by `run` (on this or another machine) and run its trials.
 
@@ -138,7 +173,8 @@ def worker(
     Ctrl-C (or SIGTERM) ends the running trial as interrupted and exits.
 
     Whoever can write to the database chooses the study's workload, so a worker runs a
-    plug-in (code) only if this machine allows it with --allow-plugin.
+    plug-in (code) only if this machine allows it with --allow-plugin, and a training
+    command only if --allow-command names it exactly.
     """
     from loader_search.study._session import run_worker
 
@@ -153,5 +189,6 @@ def worker(
             gpu=gpu,
             allow_mixed_hardware=allow_mixed_hardware,
             allow_plugins=tuple(allow_plugin or ()),
+            allow_commands=tuple(allow_command or ()),
         )
     print_summary(summary)

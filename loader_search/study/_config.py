@@ -15,7 +15,7 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +32,11 @@ from loader_search.params import (
     TrainingSettings,
     TrialLimits,
     WorkersSettings,
+)
+from loader_search.study._command_config import (
+    COMMAND_WORKLOAD,
+    CommandConfig,
+    parse_command,
 )
 from loader_search.study._config_space import parse_space
 from loader_search.study._space import SearchSpace
@@ -123,6 +128,9 @@ class StudyConfig:
     confirm_process: str = "fresh"
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
+    # ``[workload] command``: the user's own training script instead of a workload
+    # (`workload` is then "command"; loader_search.study._command_config).
+    command: CommandConfig | None = None
     device: str = "auto"
     # Frozen dataclasses: sharing one default instance is safe.
     training: TrainingSettings = TrainingSettings()  # noqa: RUF009
@@ -149,6 +157,12 @@ class StudyConfig:
             )
         if not self.workload:
             raise ConfigError("workload.name", self.workload, "must be a non-empty string")
+        if (self.workload == COMMAND_WORKLOAD) != (self.command is not None):
+            raise ConfigError(
+                "workload.name", self.workload, "a study trains a workload or a command: one"
+            )
+        if self.command is not None:
+            _check_command(self)
         if self.confirm_process not in CONFIRM_PROCESSES:
             raise ConfigError(
                 "study.confirm_process",
@@ -190,6 +204,23 @@ class StudyConfig:
         )
 
 
+def _check_command(config: StudyConfig) -> None:
+    """What a command's study needs beyond its own keys."""
+    if config.workload_options:
+        raise ConfigError(
+            "workload.options", dict(config.workload_options), "apply to a workload, not a command"
+        )
+    if "{lr}" in " ".join(config.command.argv if config.command else ()) and (
+        config.training.lr is None
+    ):
+        raise ConfigError(
+            "training.lr",
+            None,
+            "workload.command passes {lr}: set it to the script's own learning rate at"
+            " training.batch_size (it is scaled to each trial's batch size by lr_scaling)",
+        )
+
+
 def check_options_depth(options: Mapping[str, Any]) -> None:
     """Refuse an option whose lists and tables nest deeper than `OPTIONS_MAX_DEPTH`, before
     anything recurses into it (the value itself is not quoted: quoting recurses too)."""
@@ -222,6 +253,9 @@ def load_config(path: str | Path) -> StudyConfig:
     config = parse_config(data, source=source)
     if config.name is None:
         config = replace(config, name=path.stem)
+    if config.command is not None:  # it runs in the config file's folder, or workdir from it
+        workdir = str((path.parent.absolute() / config.command.workdir).resolve())
+        return replace(config, command=replace(config.command, workdir=workdir))
     # Relative paths in the file mean "next to this file", wherever the command runs. The
     # stored document keeps them as written: a worker resolves them against its own folder.
     folder = path.parent.absolute()
@@ -233,6 +267,18 @@ def load_config(path: str | Path) -> StudyConfig:
             f" (a relative path resolves against the config file's folder, {str(folder)!r})"
         )
     return replace(config, workload=spec, workload_options=options)
+
+
+def command_config(argv: Sequence[str]) -> StudyConfig:
+    """The study of ``loader-search run -- COMMAND...``: the command, run in this process's
+    folder, every other setting at its default, named after the script. Its document is
+    stored as a config file's would be, so that workers can join it."""
+    config = parse_config(
+        {"workload": {"command": list(argv), "workdir": os.getcwd()}},
+        source="the command after --",
+    )
+    assert config.command is not None
+    return replace(config, name=config.command.script)
 
 
 # A study config is a page of TOML: anything far larger is not one (/dev/zero, a log).
@@ -313,7 +359,12 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     )
     study.done()
 
-    workload_name = workload.string("name", defaults.workload)
+    command = parse_command(workload)
+    workload_name = workload.string(
+        "name", COMMAND_WORKLOAD if command is not None else defaults.workload
+    )
+    if command is not None and workload_name != COMMAND_WORKLOAD:
+        raise workload.error("name", workload_name, "give workload.name or workload.command")
     options = workload.pop("options", {})
     if not isinstance(options, dict):
         raise workload.error("options", options, "must be a table of keyword arguments")
@@ -345,6 +396,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
             confirm_process=confirm_process,
             workload=workload_name,
             workload_options=options,
+            command=command,
             device=device,
             sampler=_parse_sampler(sampler),
             training=_parse_training(training, seed),

@@ -178,7 +178,7 @@ class Session:
 
     study: optuna.Study
     config: StudyConfig
-    workload: Workload
+    workload: Workload | None  # None: the study's workload is a command (config.command)
     # How a fresh process builds the workload; None: the caller's, built in memory.
     recipe: WorkloadRecipe | None
     space: ResolvedSpace

@@ -17,6 +17,8 @@ the tolerance, with a bare ratio of medians and no verdict.
 
 from __future__ import annotations
 
+import math
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -25,12 +27,13 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from loader_search._snippets import dataloader_snippet, node_totals
-from loader_search.params import STEP_KEYS, LoaderParams
+from loader_search.params import STEP_KEYS, LoaderParams, TrainingSettings
 from loader_search.study._confirm import paired_speedups
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
 from loader_search.study._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
 from loader_search.study._pipeline import Bottleneck, Lift, LimitSource, PipelineSnapshot
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
+from loader_search.trial import placeholder_values, render_command
 
 RecommendationVerdict = Literal["faster", "no_reliable_gain", "not_confirmed"]
 NOT_CONFIRMED: RecommendationVerdict = "not_confirmed"
@@ -83,10 +86,20 @@ class Recommendation:
     # The training step's settings that differ from the defaults (precision, compile, ...):
     # the snippet shows the step the measurement used.
     step: Mapping[str, Any] | None = None
+    # A command's study: the command line that runs the recommendation (its placeholders
+    # filled in with the recommended values), shown first.
+    command_line: str | None = None
 
     @property
     def snippet(self) -> str:
-        return dataloader_snippet(self.point.params, lr=self.point.lr, step=self.step)
+        lr = self.point.lr if self.point.lr is not None and math.isfinite(self.point.lr) else None
+        code = dataloader_snippet(self.point.params, lr=lr, step=self.step)
+        if self.command_line is None:
+            return code
+        return (
+            f"# run: {self.command_line}\n# settings without a placeholder, as the study put"
+            f" them into the script's training DataLoader:\n{code}"
+        )
 
     def speedup_text(self) -> str | None:
         """The speedup as every view states it: with its interval once confirmed, a plain
@@ -248,11 +261,32 @@ def summarize(
     training = stamp.get("training") if isinstance(stamp, dict) else None
     if isinstance(training, dict) and any(k in training for k in STEP_KEYS):
         rec = replace(rec, step={k: training[k] for k in STEP_KEYS if k in training})
+    command = stamp.get("command") if isinstance(stamp, dict) else None
+    if isinstance(command, dict) and isinstance(training, dict):
+        rec = replace(rec, command_line=command_line(command, training, rec.point.params))
     stored = study.user_attrs.get(PIPELINE_ATTR)
     if isinstance(stored, dict) and stored:
         key = hardware_class if hardware_class is not None else next(iter(stored))
         rec = replace(rec, pipeline=pipeline_view(stored.get(key), rec.point))
     return replace(summary, recommended=rec)
+
+
+def command_line(
+    command: Mapping[str, Any], training: Mapping[str, Any], params: LoaderParams
+) -> str | None:
+    """The stored command with its placeholders filled in for ``params`` (None where the
+    stored fingerprint does not read: the database is written by other hands too)."""
+    try:
+        settings = TrainingSettings(
+            **{k: training[k] for k in _COMMAND_TRAINING if training.get(k) is not None}
+        )
+        argv = [str(word) for word in command["command"]]
+        return shlex.join(render_command(argv, placeholder_values(params, settings, ranks=1)))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+_COMMAND_TRAINING = ("train_samples", "batch_size", "lr_scaling", "lr", "seed")
 
 
 def pipeline_view(snapshot: Any, point: TrialPoint) -> PipelineView | None:

@@ -22,6 +22,7 @@ from loader_search._rules import RANGES
 from loader_search._system import usable_cpus
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.study._command_config import check_command_allowed
 from loader_search.study._config import StudyConfig
 from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
 from loader_search.study._heartbeats import RetryStaleTrial
@@ -31,7 +32,13 @@ from loader_search.study._note import write_note
 from loader_search.study._open import make_sampler, open_existing_study, open_study, seed_offset_of
 from loader_search.study._recommend import StudySummary, hardware_classes, summarize
 from loader_search.study._space import ResolvedSpace
-from loader_search.study._stored import fingerprint, settle_budget, store_settings, stored_config
+from loader_search.study._stored import (
+    describe,
+    fingerprint,
+    settle_budget,
+    store_settings,
+    stored_config,
+)
 from loader_search.study._worker import count_finished, work
 from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
@@ -177,6 +184,7 @@ def run_worker(
     gpu: int | None = None,
     allow_mixed_hardware: bool = False,
     allow_plugins: Sequence[str] = (),
+    allow_commands: Sequence[str] = (),
     quiet: bool = False,
 ) -> StudySummary:
     """Join an existing study and run its trials until its budget (shared by every worker)
@@ -192,7 +200,9 @@ def run_worker(
     The database is a team resource, and this machine may not trust everyone who can write
     to it: a workload taken from the study must be a built-in one or a plug-in this machine
     allows (``allow_plugins``, or ``$LOADER_SEARCH_ALLOW_PLUGINS``), checked before anything
-    is imported. A ``config`` or ``workload`` passed here is this caller's own and trusted.
+    is imported; a command, one this machine names exactly (``allow_commands``, or
+    ``$LOADER_SEARCH_ALLOW_COMMANDS``). A ``config`` or ``workload`` passed here is this
+    caller's own and trusted.
 
     Progress is printed as `run_study` prints it (``quiet``, ``reporter``).
     """
@@ -209,6 +219,7 @@ def run_worker(
             workload=workload,
             storage=storage,
             allow_plugins=allow_plugins,
+            allow_commands=allow_commands,
         )
         reporter.study_started(info)
         work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
@@ -252,7 +263,7 @@ def create_session(
     fresh = _fresh_host(config, workload, here)
     try:
         workload, spec, recipe = _workload(config, workload, reporter)
-        if hardware is not None:
+        if hardware is not None and workload is not None:
             space = fit_to_machine(space, workload, ranks)
         notes = list(space.notes)
         reporter.preparing(f"opening storage {mask_url(url)}")
@@ -266,7 +277,8 @@ def create_session(
         budget, budget_notes = settle_budget(study, config, budget, finished, created)
         notes += budget_notes
         notes += store_settings(study, config, workload, stamp, created, budget)
-        info = _info(study, url, created, budget, finished, workload, hardware, ncpus, notes)
+        what = describe(config, workload)
+        info = _info(study, url, created, budget, finished, what, hardware, ncpus, notes)
         if here is None or machine is None:
             return info, None  # `init`: no trial runs here
         return info, _session(
@@ -286,6 +298,7 @@ def join_session(
     workload: Workload | None = None,
     storage: str | None = None,
     allow_plugins: Sequence[str] = (),
+    allow_commands: Sequence[str] = (),
 ) -> tuple[StudyInfo, Session]:
     """Join the existing study ``name`` (`worker`), and build what this worker needs to run
     its trials on ``machine`` (pinned, its device resolved, the space fitted to its /dev/shm).
@@ -301,7 +314,10 @@ def join_session(
     existing = open_existing_study(name, url, on_busy=reporter.warning)
     if config is None:
         config = stored_config(existing.study)
-        if workload is None:
+        if workload is None and config.command is not None:
+            # Others write this database: a command runs only if this machine names it.
+            check_command_allowed(config.command, allow_commands)
+        elif workload is None:
             # Others write this database: refuse a workload spec before importing it.
             check_allowed(config.workload, allow_plugins)
     here = this_machine(config, machine)
@@ -311,7 +327,8 @@ def join_session(
     fresh = _fresh_host(config, workload, here)
     try:
         workload, _, recipe = _workload(config, workload, reporter)
-        space = fit_to_machine(space, workload, ranks)
+        if workload is not None:
+            space = fit_to_machine(space, workload, ranks)
         notes = [*space.notes, *mixed]
         # Opened again with the study's heartbeat settings: its connections are closed
         # first, so that a worker never holds more than two.
@@ -322,7 +339,8 @@ def join_session(
         study.sampler = make_sampler(config, seed_offset=seed_offset_of(study))
         budget = study_budget(name, study.user_attrs, config.trials)
         finished = count_finished(study)
-        info = _info(study, url, False, budget, finished, workload, hardware, ncpus, notes)
+        what = describe(config, workload)
+        info = _info(study, url, False, budget, finished, what, hardware, ncpus, notes)
         return info, _session(
             study, rdb, config, workload, recipe, space, here, budget, machine, fresh
         )
@@ -349,9 +367,12 @@ def _resolved_space(
 
 def _workload(
     config: StudyConfig, workload: Workload | None, reporter: Reporter
-) -> tuple[Workload, str, WorkloadRecipe | None]:
+) -> tuple[Workload | None, str, WorkloadRecipe | None]:
     """The study's workload, its spec, and how a fresh process rebuilds it: built from the
-    config, or the caller's own (which no process can rebuild)."""
+    config, or the caller's own (which no process can rebuild); None for a command (every
+    trial of one is a process of its own)."""
+    if config.command is not None and workload is None:
+        return None, config.workload, None
     if workload is not None:
         return workload, f"python:{workload.name}", None  # built in memory by the caller
     reporter.preparing(f"building workload {config.workload} (its data and model)")
@@ -377,6 +398,7 @@ def _fresh_host(
     if (
         here is not None
         and workload is None
+        and config.command is None
         and config.confirm_top > 0
         and config.confirm_process == "fresh"
         and can_isolate()
@@ -404,7 +426,7 @@ def _info(
     created: bool,
     budget: int,
     finished: int,
-    workload: Workload,
+    workload: str,
     hardware: Hardware | None,
     ncpus: int,
     notes: Sequence[str],
@@ -417,7 +439,7 @@ def _info(
         finished=finished,
         device=hardware.describe() if hardware else "",
         hardware_class=hardware.hardware_class if hardware else "",
-        workload=workload.description or workload.name,
+        workload=workload,
         usable_cpus=ncpus,
         notes=tuple(notes),
     )
@@ -427,7 +449,7 @@ def _session(
     study: optuna.Study,
     rdb: optuna.storages.RDBStorage,
     config: StudyConfig,
-    workload: Workload,
+    workload: Workload | None,
     recipe: WorkloadRecipe | None,
     space: ResolvedSpace,
     here: tuple[torch.device, Hardware],

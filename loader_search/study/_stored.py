@@ -32,7 +32,7 @@ from loader_search.study._keys import (
 from loader_search.workloads import Workload
 
 
-def fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str, Any]:
+def fingerprint(config: StudyConfig, workload: Workload | None, spec: str) -> dict[str, Any]:
     """What a continued study must share with the one that created it: validation loss
     under other training settings would not compare. (Hardware is checked apart, per trial:
     see `loader_search.study._machine.check_hardware`.)"""
@@ -41,7 +41,16 @@ def fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str,
         # Studies that earlier versions measured over the whole run do not compare.
         "throughput_window": "warmup-to-mark",
         "workload": spec,
-        "workload_options": dict(workload.options or config.workload_options),
+        "workload_options": dict(
+            (workload.options if workload is not None else None) or config.workload_options
+        ),
+        # A command's words and how its trials read it; not its folder, which is each
+        # machine's own.
+        **(
+            {"command": {**config.command.as_dict(), "workdir": None}}
+            if config.command is not None
+            else {}
+        ),
         "space": config.space.as_dict(),
         "training": {
             "train_samples": config.training.train_samples,
@@ -62,6 +71,14 @@ def fingerprint(config: StudyConfig, workload: Workload, spec: str) -> dict[str,
             **_step_fingerprint(config),
         },
     }
+
+
+def describe(config: StudyConfig, workload: Workload | None) -> str:
+    """The study's workload in a few words: its description, or the command it runs."""
+    if config.command is not None:
+        return f"your command: {config.command.line}"
+    assert workload is not None
+    return workload.description or workload.name
 
 
 def _step_fingerprint(config: StudyConfig) -> dict[str, Any]:
@@ -115,7 +132,7 @@ def settle_budget(
 def store_settings(
     study: optuna.Study,
     config: StudyConfig,
-    workload: Workload,
+    workload: Workload | None,
     fingerprint: Mapping[str, Any],
     created: bool,
     budget: int,
@@ -133,7 +150,7 @@ def store_settings(
             )
         study.set_user_attr(FINGERPRINT_ATTR, dict(fingerprint))
         study.set_user_attr(CONFIG_ATTR, dict(config.document))
-        study.set_user_attr(WORKLOAD_DESCRIPTION_ATTR, workload.description)
+        study.set_user_attr(WORKLOAD_DESCRIPTION_ATTR, describe(config, workload))
         study.set_user_attr(SAMPLER_ATTR, config.sampler.name)
         for key, value in _environment().items():
             study.set_user_attr(key, value)

@@ -264,8 +264,18 @@ def fresh_recipe(recipe: WorkloadRecipe | None, choice: str) -> WorkloadRecipe |
 
 
 def _accumulates(session: Session) -> bool:
-    """Whether a batch that does not fit in memory is trained as accumulated micro-batches."""
-    return session.config.training.gradient_accumulation == "auto"
+    """Whether a batch that does not fit in memory is trained as accumulated micro-batches:
+    never for a command, whose step is the script's own (the batch is infeasible)."""
+    config = session.config
+    return config.training.gradient_accumulation == "auto" and config.command is None
+
+
+def _train_size(session: Session) -> int | None:
+    """The training samples an epoch has; None where the study cannot see them (a
+    command's data set lives in the script)."""
+    if session.workload is None:
+        return None
+    return len(session.workload.train_dataset)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -302,19 +312,21 @@ def _run_fitting(
             params,
             session.config.training,
             session.hardware.hardware_class,
-            len(session.workload.train_dataset),  # type: ignore[arg-type]
+            _train_size(session),
             reuse_val_loss=session.config.training.reuse_val_loss,
         )
         if inferred is not None:
             outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
             return _Ran(outcome, params, reuse, attempts)
+        command = session.config.command
         job = TrialJob(
             session.workload,
             params,
             session.config.training,
             session.device,
             plan=reuse.plan,
-            fresh=fresh,
+            fresh=fresh if command is None else None,
+            command=command.spec() if command is not None else None,
         )
         with clock.part("job"):
             outcome = run_isolated(job, limits=session.config.limits, host=worker.fresh)

@@ -19,6 +19,8 @@ _EXPORTS = {
     "PLACEHOLDERS": "loader_search.trial._placeholders",
     "report_val_loss": "loader_search.trial._report",
     "placeholders_in": "loader_search.trial._placeholders",
+    "render_command": "loader_search.trial._placeholders",
+    "placeholder_values": "loader_search.trial._placeholders",
     "WorkloadRecipe": "loader_search.trial._job",
     "TrialResult": "loader_search.trial._result",
     "TrialOutcome": "loader_search.trial._failures",
@@ -72,7 +74,9 @@ __all__ = [
     "build_loader",
     "can_isolate",
     "check_step_settings",
+    "placeholder_values",
     "placeholders_in",
+    "render_command",
     "report_val_loss",
     "resolve_ranks",
     "run_isolated",
@@ -97,7 +101,12 @@ if TYPE_CHECKING:
     from loader_search.trial._fresh import FreshHost
     from loader_search.trial._job import CommandSpec, TrialJob, WorkloadRecipe
     from loader_search.trial._loader import build_loader
-    from loader_search.trial._placeholders import PLACEHOLDERS, placeholders_in
+    from loader_search.trial._placeholders import (
+        PLACEHOLDERS,
+        placeholder_values,
+        placeholders_in,
+        render_command,
+    )
     from loader_search.trial._ranks import resolve_ranks
     from loader_search.trial._report import report_val_loss
     from loader_search.trial._result import TrialResult

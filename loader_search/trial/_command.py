@@ -56,7 +56,12 @@ from loader_search.trial._failures import (
     failure_for,
 )
 from loader_search.trial._job import CommandSpec, TrialJob
-from loader_search.trial._placeholders import placeholders_in, render, to_inject, values
+from loader_search.trial._placeholders import (
+    placeholder_values,
+    placeholders_in,
+    render_command,
+    to_inject,
+)
 from loader_search.trial._processes import POLL_S, gib, tree_pss
 from loader_search.trial._result import TrialResult
 
@@ -155,7 +160,9 @@ class _Command:
         self.seen = _Seen()
 
     def run(self, started: float) -> TrialOutcome:
-        argv = render(self.spec.argv, values(self.job.params, self.job.settings, self.ranks))
+        argv = render_command(
+            self.spec.argv, placeholder_values(self.job.params, self.job.settings, self.ranks)
+        )
         self._write_settings()
         try:
             process = subprocess.Popen(
@@ -305,7 +312,7 @@ class _Command:
         window_s = max(float(w["measured_time_s"]) for w in windows)
         waits = sorted(float(w["data_wait_s"]) / float(w["measured_time_s"]) for w in windows)
         main = ranks[0]
-        lr = values(self.job.params, self.job.settings, self.ranks)["lr"]
+        lr = placeholder_values(self.job.params, self.job.settings, self.ranks)["lr"]
         return TrialResult(
             throughput_samples_per_s=samples / window_s,
             val_loss=val_loss,

@@ -76,7 +76,9 @@ def to_inject(argv: Sequence[str]) -> list[str]:
     return [name for name in LOADER_SETTINGS if name not in used]
 
 
-def values(params: LoaderParams, settings: TrainingSettings, ranks: int) -> dict[str, str]:
+def placeholder_values(
+    params: LoaderParams, settings: TrainingSettings, ranks: int
+) -> dict[str, str]:
     """Every placeholder's text for a trial of ``params`` under ``settings`` on ``ranks``."""
     workers = params.num_workers > 0
     lr = ""
@@ -100,7 +102,7 @@ def values(params: LoaderParams, settings: TrainingSettings, ranks: int) -> dict
     }
 
 
-def render(argv: Sequence[str], filled: Mapping[str, str]) -> list[str]:
+def render_command(argv: Sequence[str], filled: Mapping[str, str]) -> list[str]:
     """``argv`` with its placeholders filled in from ``filled`` (see `values`)."""
     if "lr" in placeholders_in(argv) and not filled.get("lr"):
         raise UserError(

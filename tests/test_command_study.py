@@ -1,0 +1,180 @@
+"""Whole studies of a user's own training script through the CLI: the examples' flag script and
+zero-code script, `run -- COMMAND`, a worker's trust rule for a command from the database, and
+the config's rules, each with real trials and a real SQLite file."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+
+from tests.conftest import ROOT, invoke, run_cli
+
+EXAMPLES = ROOT / "examples"
+# Small and quick: 3 search trials of 1,024 samples, no confirmation rounds.
+SMALL = """
+[study]
+trials = {trials}
+confirm_top = 0
+[workload]
+command = {command}
+workdir = {workdir}
+{extra}
+[training]
+train_samples = 1024
+batch_size = 64
+{training}
+[space]
+batch_size = [32, 64]
+num_workers = {{ min = 0, max = 1 }}
+prefetch_factor = {{ min = 1, max = 2 }}
+"""
+FLAGS = [
+    sys.executable,
+    "train.py",
+    "--batch-size",
+    "{batch_size}",
+    "--workers",
+    "{num_workers}",
+    "--prefetch",
+    "{prefetch_factor}",
+    "--lr",
+    "{lr}",
+    "--max-samples",
+    "{train_samples}",
+]
+
+
+def _config(
+    folder: Path,
+    command: list[str] | str,
+    *,
+    trials: int = 3,
+    extra: str = "",
+    training: str = "lr = 0.02",
+    workdir: Path = EXAMPLES,
+) -> Path:
+    path = folder / "study.toml"
+    path.write_text(
+        SMALL.format(
+            trials=trials,
+            command=json.dumps(command),
+            workdir=json.dumps(str(workdir)),
+            extra=extra,
+            training=training,
+        )
+    )
+    return path
+
+
+def _no_process_left(before: set[int]) -> None:
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == []
+
+
+def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
+    trials = optuna.load_study(study_name="study", storage=url).get_trials()
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    return trials
+
+
+@pytest.mark.timeout(240)
+def test_a_flag_script_study_runs_and_recommends_its_command_line(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    config = _config(tmp_path, FLAGS)
+    ran = run_cli("run", str(config), "--storage", sqlite_url)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    # The recommendation as the flags to pass, the placeholders filled in.
+    assert f"# run: {shlex.quote(sys.executable)} train.py --batch-size" in ran.stdout
+    assert "Pareto front of study (3 complete, 0 failed)" in ran.stdout
+    sites = {t.user_attrs.get("loader_site") for t in _trials(sqlite_url)}
+    assert len(sites) == 1 and str(next(iter(sites))).startswith(f"{EXAMPLES / 'train.py'}:")
+    _no_process_left(before)
+
+
+@pytest.mark.timeout(240)
+def test_a_zero_code_script_study_puts_the_settings_into_its_loader(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    config = _config(tmp_path, [sys.executable, "train_zero_code.py"], training="")
+    ran = run_cli("run", str(config), "--storage", sqlite_url)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "Pareto front of study (3 complete, 0 failed)" in ran.stdout
+    trials = _trials(sqlite_url)
+    # Every trial's settings went into the loader the script builds on this line.
+    line = next(
+        n
+        for n, text in enumerate((EXAMPLES / "train_zero_code.py").read_text().splitlines(), 1)
+        if "train_loader = DataLoader(" in text
+    )
+    assert {t.user_attrs.get("loader_site") for t in trials} == {
+        f"{EXAMPLES / 'train_zero_code.py'}:{line}"
+    }
+
+
+def test_run_dash_dash_names_the_study_after_the_script(tmp_path: Path, sqlite_url: str) -> None:
+    script = tmp_path / "my_train.py"
+    script.write_text((EXAMPLES / "train_zero_code.py").read_text())
+    (tmp_path / "train.py").write_text((EXAMPLES / "train.py").read_text())
+    ran = run_cli(
+        "run", "--storage", sqlite_url, "--n-trials", "1", "--", sys.executable, "my_train.py",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "Created study my_train" in ran.stdout
+    assert "your command:" in ran.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "extra", "training", "words"),
+    [
+        (["python", "t.py", "{batch}"], "", "", "unknown placeholder {batch}"),
+        (["python", "t.py", "--lr", "{lr}"], "", "", "training.lr"),
+        (["python", "t.py"], "val_loss_pattern = 'val_loss'", "", "needs a group"),
+        (["python", "t.py"], "train_loader = 0", "", "workload.train_loader"),
+        (["python", "t.py"], "name = 'synthetic-images'", "", "workload.name"),
+        ([], "", "", "workload.command"),
+        ("python 't.py", "", "", "cannot be split"),
+    ],
+    ids=["placeholder", "lr", "pattern", "train_loader", "name", "empty", "quotes"],
+)
+def test_a_bad_command_config_is_one_line(
+    tmp_path: Path, command: list[str] | str, extra: str, training: str, words: str
+) -> None:
+    config = _config(tmp_path, command, extra=extra, training=training)
+    ran = invoke("run", str(config), "--storage", f"sqlite:///{tmp_path / 'x.db'}")
+    assert ran.returncode == 2
+    message = ran.stderr.strip()
+    assert words in message and "\n" not in message and "Traceback" not in message
+    assert not (tmp_path / "x.db").exists()  # refused before anything is stored
+
+
+def test_command_keys_without_a_command_are_refused(tmp_path: Path) -> None:
+    config = tmp_path / "study.toml"
+    config.write_text("[workload]\nname = 'synthetic-images'\nval_loss_pattern = 'x(.)'\n")
+    ran = invoke("run", str(config), "--storage", f"sqlite:///{tmp_path / 'x.db'}")
+    assert ran.returncode == 2 and "applies only with workload.command" in ran.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_runs_a_stored_command_only_when_named(tmp_path: Path, sqlite_url: str) -> None:
+    config = _config(tmp_path, FLAGS, trials=1)
+    created = invoke("init", str(config), "--storage", sqlite_url)
+    assert created.returncode == 0, created.stdout
+    refused = invoke("worker", "study", "--storage", sqlite_url)
+    assert refused.returncode == 2
+    assert "--allow-command" in refused.stderr and "\n" not in refused.stderr.strip()
+    other = invoke("worker", "study", "--storage", sqlite_url, "--allow-command", "python x.py")
+    assert other.returncode == 2
+    allowed = run_cli(
+        "worker", "study", "--storage", sqlite_url, "--allow-command", shlex.join(FLAGS)
+    )
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "1 complete" in allowed.stdout
