@@ -3,16 +3,21 @@ real DDP training, real rank processes, real faults planted in one rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import optuna
 import psutil
 import pytest
+import torch
 
 from loader_search.errors import ConfigError
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings, TrialLimits
@@ -92,6 +97,46 @@ def test_a_rank_that_fails_fails_the_trial_with_its_class_and_leaves_nothing(
     if fault == "raise":
         assert "planted fault in rank 1" in outcome.failure.message
     assert outcome.wall_s < 60
+    assert _leftovers() == []
+
+
+_steps: list[int] = []  # the steps this rank's process took
+
+
+def _kills_itself_on_rank_1(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The default step, but rank 1 SIGKILLs itself at its fifth step: no out-of-memory
+    kill, nothing in memory, a signal someone else could have sent."""
+    _steps.append(1)
+    if torch.distributed.get_rank() == 1 and len(_steps) > 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    inputs, targets = batch
+    return torch.nn.functional.cross_entropy(model(inputs), targets)
+
+
+def test_a_rank_killed_by_sigkill_without_an_oom_record_crashed_naming_the_rank() -> None:
+    # It was host_oom, and the study then retrained the batch as micro-batches, and forced
+    # every later trial of that batch size into accumulation.
+    workload = dataclasses.replace(timed_workload(n=2048), train_step=_kills_itself_on_rank_1)
+    job = TrialJob(workload, LoaderParams(64, 0, torch_threads=1), TWO)
+    outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=20))
+    failure = outcome.failure
+    assert failure is not None and failure.reason == "crashed", failure
+    assert "rank 1" in failure.message and "SIGKILL" in failure.message
+    assert not failure.infeasible
+    assert _leftovers() == []
+
+
+def test_a_killed_multi_rank_trial_leaves_no_store_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # read once, then cached
+    job = TrialJob(rank_fault("hang"), LoaderParams(64, 0, torch_threads=1), TWO)
+    outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=3))
+    assert outcome.failure is not None and outcome.failure.reason == "timeout"
+    assert list(private.iterdir()) == []
     assert _leftovers() == []
 
 

@@ -1,7 +1,7 @@
 """The process tree of a trial, seen from the process that started it: a child asking to die
 with its parent, OpenMP's threads released before a fork, a fresh (not forked) trial process
-seen as a forked one is, the tree killed and reaped, its memory (PSS) read, and a loader
-worker's death found among its zombies."""
+seen as a forked one is, the tree killed and reaped, its memory (PSS) read, a loader
+worker's death found among its zombies, and the kernel's count of out-of-memory kills."""
 
 from __future__ import annotations
 
@@ -232,6 +232,47 @@ def tree_pss(pid: int) -> int:
         except psutil.Error:  # exited between listing and reading
             continue
     return total
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed in this process's
+    memory cgroup (``oom_kill`` in cgroup v2's ``memory.events``, v1's
+    ``memory.oom_control``), else on the whole machine (``/proc/vmstat``); None where no
+    count can be read. A count that rose during a trial is the evidence that a SIGKILL in it
+    was that killer's: a SIGKILL alone says nothing of who sent it."""
+    v1: list[str] = []
+    v2: list[str] = []
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as file:
+            for line in file:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    v2.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events")
+                elif "memory" in controllers.split(","):
+                    v1.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control")
+    except (OSError, ValueError):
+        pass
+    # The cgroup's own folder, else the mount's root: a container sees its cgroup there.
+    v2.append("/sys/fs/cgroup/memory.events")
+    v1.append("/sys/fs/cgroup/memory/memory.oom_control")
+    for place in [*v2, *v1, "/proc/vmstat"]:
+        count = _oom_kill_line(place)
+        if count is not None:
+            return count
+    return None
+
+
+def _oom_kill_line(path: str) -> int | None:
+    """The number on the ``oom_kill`` line of ``path``, or None."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as file:
+            for line in file:
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def gib(n: int) -> str:

@@ -7,12 +7,16 @@ the supervisor, see `loader_search.trial._supervisor`) is rank 0 and forks ranks
 anything else runs in it, so every rank and every loader worker of every rank is in the
 trial's process group: the supervisor's kill of the group, its timeout and its memory limit
 cover them all, and a sibling dies with rank 0 (``PR_SET_PDEATHSIG``). The ranks meet through
-a `torch.distributed.FileStore` in a private folder (no port), with the ``gloo`` backend (the
-CPU, or GPUs shared by ranks) or ``nccl`` (one GPU per rank).
+a `torch.distributed.FileStore` in an anonymous in-memory file that rank 0 opens and every
+rank inherits (no port, and no name on disk: a trial killed whatever way leaves nothing
+behind), with the ``gloo`` backend (the CPU, or GPUs shared by ranks) or ``nccl`` (one GPU
+per rank).
 
 One trial, one set of failures: a sibling that raises sends its classified failure to rank 0;
 one that crashes (a signal) is classified by its exit; rank 0, whose collective then fails,
-reports the sibling's failure rather than its own broken connection (`RankFailed`). A rank
+reports the sibling's failure rather than its own broken connection (`RankFailed`). A
+sibling's SIGKILL is the out-of-memory killer's only when the kernel's count of its kills
+rose meanwhile (`loader_search.trial._processes.oom_kills`); else the rank crashed. A rank
 that hangs stops everyone's progress, and the supervisor's trial timeout kills the group.
 
 Measured across ranks: the window opens and closes at a barrier on every rank
@@ -28,7 +32,7 @@ import contextlib
 import datetime
 import multiprocessing
 import os
-import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -39,13 +43,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loader_search.trial._failures import (
+    CRASHED,
+    HOST_OOM,
     RankFailed,
     TrialFailure,
     classify_exception,
     classify_exit,
+    failure_for,
 )
 from loader_search.trial._messages import Ended, Failed, Trained
-from loader_search.trial._processes import die_with_parent, release_openmp_threads
+from loader_search.trial._processes import die_with_parent, oom_kills, release_openmp_threads
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -109,8 +116,10 @@ def run_ranks(
     this process as rank 0, the others forked now; merge their results (see the module
     docstring). Raises `RankFailed` with the failing rank's failure."""
     backend = backend_for(device, world)
-    folder = tempfile.mkdtemp(prefix="loader-search-ranks-")
-    store = os.path.join(folder, "store")
+    exits = _RankExits()  # before any sibling exists: its OOM kills count from here
+    store_fd = _store_file()
+    # Every rank reaches the file through the descriptor it inherits: nothing has a name.
+    store = f"/proc/self/fd/{store_fd}"
     context = multiprocessing.get_context("fork")
     siblings: list[tuple[Any, Connection]] = []
     try:
@@ -130,13 +139,13 @@ def run_ranks(
         try:
             first = _in_group(main, store, train_one)
         except BaseException as exc:
-            found = _sibling_failure(siblings, SIBLING_REPORT_S)
+            found = _sibling_failure(siblings, SIBLING_REPORT_S, exits)
             if found is not None and not isinstance(exc, KeyboardInterrupt):
                 raise RankFailed(*found) from exc
             raise
         results = [first]
         for number, (process, reader) in enumerate(siblings, start=1):
-            results.append(_sibling_result(number, process, reader, progress))
+            results.append(_sibling_result(number, process, reader, progress, exits))
         return merge(results)
     finally:
         for process, reader in siblings:
@@ -145,7 +154,50 @@ def run_ranks(
                     process.kill()
                 process.join(timeout=5)
             reader.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        os.close(store_fd)
+
+
+def _store_file() -> int:
+    """A descriptor of an anonymous file for the ranks' store: in memory (``memfd``), else
+    an unlinked temporary file. A named folder was left behind by every trial killed before
+    it could remove it (a timeout, an out-of-memory kill, ``kill -9``)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return os.memfd_create("loader-search-ranks")  # forked ranks inherit it
+    with tempfile.TemporaryFile(prefix="loader-search-ranks-") as file:  # unlinked at once
+        return os.dup(file.fileno())
+
+
+class _RankExits:
+    """Classifies the exit of a sibling that sent no report, with the kernel's count of
+    out-of-memory kills read when the trial began."""
+
+    def __init__(self) -> None:
+        self.oom_before = oom_kills()
+
+    def failure(self, exitcode: int | None) -> TrialFailure:
+        """As `classify_exit`, but a SIGKILL is the out-of-memory killer's only when the
+        count rose: something else killed a rank just as well (a scheduler, a watchdog, a
+        user's ``kill -9``), and an out-of-memory class would retrain the batch as
+        micro-batches, and every later trial of that batch size with it."""
+        if exitcode != -signal.SIGKILL:
+            return classify_exit(exitcode)
+        now = oom_kills()
+        if self.oom_before is not None and now is not None and now > self.oom_before:
+            return failure_for(
+                HOST_OOM,
+                "the rank was killed by SIGKILL, and the kernel's out-of-memory killer"
+                f" killed {now - self.oom_before} process(es) meanwhile",
+            )
+        known = "none was recorded" if now is not None else "no record of them can be read"
+        return failure_for(
+            CRASHED,
+            "the rank died of signal 9 (SIGKILL), sent neither by loader-search nor, as far"
+            f" as the kernel's count of out-of-memory kills says ({known}), by that killer",
+            hint=(
+                "something outside loader-search killed the rank: look for a job scheduler,"
+                " a watchdog or a user that kills processes on this machine"
+            ),
+        )
 
 
 def _in_group(
@@ -196,7 +248,7 @@ def _sibling_main(
 
 
 def _sibling_failure(
-    siblings: list[tuple[Any, Connection]], wait_s: float
+    siblings: list[tuple[Any, Connection]], wait_s: float, exits: _RankExits
 ) -> tuple[int, TrialFailure] | None:
     """The first failure a sibling reported, or the exit of one that died (waiting up to
     ``wait_s`` for either); None when every sibling still runs or ended well."""
@@ -209,28 +261,32 @@ def _sibling_failure(
                     if isinstance(message, Failed):
                         return number, message.failure
             if process.exitcode not in (None, 0):
-                return number, classify_exit(process.exitcode)
+                return number, exits.failure(process.exitcode)
         if time.perf_counter() >= deadline:
             return None
         time.sleep(0.05)
 
 
 def _sibling_result(
-    number: int, process: Any, reader: Connection, progress: Callable[[], None]
+    number: int,
+    process: Any,
+    reader: Connection,
+    progress: Callable[[], None],
+    exits: _RankExits,
 ) -> TrialResult:
     """Rank ``number``'s result, once it sends it (progress pings while waiting)."""
     deadline = time.perf_counter() + SIBLING_RESULT_S
     while not reader.poll(0.2):
         progress()
         if process.exitcode is not None and not reader.poll(0.2):
-            raise RankFailed(number, classify_exit(process.exitcode))
+            raise RankFailed(number, exits.failure(process.exitcode))
         if time.perf_counter() > deadline:
             raise RankFailed(number, classify_exit(None))
     try:
         message = reader.recv()
     except EOFError:
         process.join(timeout=5)
-        raise RankFailed(number, classify_exit(process.exitcode)) from None
+        raise RankFailed(number, exits.failure(process.exitcode)) from None
     if isinstance(message, Failed):
         raise RankFailed(number, message.failure)
     result: TrialResult = message.result
