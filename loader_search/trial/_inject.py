@@ -248,10 +248,13 @@ def _injected(
         else:
             merged[name] = applied[name] = settings.value(name)
     # Without workers torch refuses a prefetch factor and persistent workers, whoever set
-    # them: the trial's 0 workers must not turn the user's own values into an error.
+    # them: the trial's 0 workers must not turn the user's own values into an error (nor a
+    # {prefetch_factor} flag, which renders as 2 in a trial without workers).
+    trial_has_none = settings.value("num_workers") == 0
     if not merged.get("num_workers"):
         for name, idle in (("prefetch_factor", None), ("persistent_workers", False)):
-            if name in known and ("num_workers" in applied or name in applied):
+            ours = "num_workers" in applied or name in applied
+            if name in known and (ours or (trial_has_none and merged.get(name) != idle)):
                 merged[name] = applied[name] = idle
     return merged
 
