@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import math
 import os
 import signal
@@ -709,3 +710,83 @@ def test_a_killed_run_leaves_no_loader_worker_holding_the_host_lock(
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         run.communicate()
+
+
+# A `run` killed with kill -9 while a loader worker is between its fork and its init: the
+# trial dies with `run`, and the worker, re-parented to a child subreaper (a container's
+# init, systemd --user, this harness), asks to die with a parent that is no longer the
+# trial, and saw its dead trial (a zombie) as alive: it outlived everything.
+_ORPHAN_RUN = """
+import dataclasses, os, sys, time
+if sys.argv[1] == "hook-last":
+    import loader_search.trial._loader  # its at-fork record runs before the plug-in's sleep
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.trial import TrialJob, run_isolated
+from tests._datasets import linear_model, timed_workload
+
+trial = []
+
+def slow_in_workers():
+    if trial and os.getppid() == trial[0]:  # a loader worker of the trial: late to its init
+        time.sleep(1.5)
+
+os.register_at_fork(after_in_child=slow_in_workers)
+
+def model():
+    trial.append(os.getpid())  # in the trial's process, before its loader forks workers
+    return linear_model()
+
+workload = dataclasses.replace(timed_workload(n=4096, delay_s=0.002), make_model=model)
+run_isolated(TrialJob(workload, LoaderParams(64, 1, 2, torch_threads=1), TrainingSettings()))
+"""
+
+_SUBREAPER = """
+import ctypes, json, os, signal, subprocess, sys, time
+import psutil
+
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this process
+run = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+worker = None
+deadline = time.monotonic() + 120
+while worker is None and time.monotonic() < deadline and run.poll() is None:
+    try:
+        for trial in psutil.Process(run.pid).children():
+            worker = next(iter(trial.children()), None)
+    except psutil.Error:
+        pass
+    time.sleep(0.01)
+os.kill(run.pid, signal.SIGKILL)  # kill -9 of run, its worker not yet in its init
+run.wait()
+time.sleep(5)  # the worker's 1.5 s, then its init, then torch's worker loop
+alive = []
+for proc in psutil.Process().children(recursive=True):
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            alive.append(proc.pid)
+            proc.kill()
+    except psutil.Error:
+        pass
+while True:  # reap all (the trial, a zombie, was left so until now on purpose)
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+print(json.dumps({"worker": worker is not None, "alive": alive}))
+"""
+
+
+@pytest.mark.parametrize("order", ["hook-first", "hook-last"])
+def test_a_loader_worker_not_yet_armed_when_run_is_killed_does_not_outlive_it(
+    order: str,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _SUBREAPER, _ORPHAN_RUN, order],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["worker"], "the trial's loader worker was never seen"
+    assert report["alive"] == [], "processes outlived the killed run"

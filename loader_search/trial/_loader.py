@@ -134,14 +134,47 @@ class WorkerStart:
             self.then(worker_id)
 
 
+_forked_from: int | None = None  # this process's parent when it was forked (a fork's child)
+
+
+def _remember_parent() -> None:
+    global _forked_from
+    _forked_from = os.getppid()
+
+
+# Run in every forked child (a loader worker among them) before a worker's init: the parent
+# it was forked from, to tell from the parent it has by the time it asks to die with it.
+os.register_at_fork(after_in_child=_remember_parent)
+
+
 def _die_with_parent(owner_pid: int) -> None:
     """Ask Linux to SIGKILL this worker when the thread that forked it ends
-    (``PR_SET_PDEATHSIG``). A worker whose owner died before the request took effect exits
-    at once; one whose parent is another live process (a ``forkserver``) keeps going."""
+    (``PR_SET_PDEATHSIG``).
+
+    The request covers only a parent still alive when it is made: a worker whose parent died
+    between the fork and here (re-parented, to init or to a child subreaper) exits at once,
+    as does one whose owner is gone or a zombie (an owner killed and not yet reaped still
+    "exists"). One whose parent is another live process (a ``forkserver``) keeps going."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != owner_pid and not psutil.pid_exists(owner_pid):
+    parent = os.getppid()  # after the request: a parent that dies later kills this worker
+    if parent == owner_pid:
+        return
+    if _forked_from is not None and _forked_from != parent:  # re-parented since the fork
         os._exit(1)
+    if not _alive(owner_pid):
+        os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: neither gone nor a zombie (dead, its exit not yet collected)."""
+    try:
+        status: str = psutil.Process(pid).status()
+        return bool(status != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # not allowed to look: it exists
+        return True
