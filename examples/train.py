@@ -69,11 +69,16 @@ def fit(
 
 
 def validate(model: torch.nn.Module, loader: DataLoader) -> float:
+    """The mean validation loss (on the model's device)."""
+    device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for images, labels in loader:
-            total += torch.nn.functional.cross_entropy(model(images), labels, reduction="sum").item()
+            logits = model(images.to(device))
+            total += torch.nn.functional.cross_entropy(
+                logits, labels.to(device), reduction="sum"
+            ).item()
             count += len(labels)
     return total / count
 

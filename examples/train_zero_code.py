@@ -9,7 +9,6 @@ see docs/scripts.md) knows about loader-search.
 from __future__ import annotations
 
 from torch.utils.data import DataLoader
-
 from train import data_and_model, fit  # examples/train.py: the model, the data, the loop
 
 if __name__ == "__main__":

@@ -295,3 +295,69 @@ def test_no_trial_folder_is_left_behind(tmp_path: Path, monkeypatch: pytest.Monk
     outcome = _run(_job(tmp_path, [sys.executable, str(script)]))
     assert outcome.failure is not None
     assert [name for name in os.listdir(temp) if name.startswith("loader-search")] == []
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.timeout(180)
+def test_a_torchrun_trial_measures_every_rank_of_the_ddp_example() -> None:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{ranks}"]
+    argv += ["train_ddp.py", "--batch-size", "{batch_size}", "--workers", "{num_workers}"]
+    argv += ["--max-samples", "{train_samples}"]
+    job = TrialJob(
+        None,
+        LoaderParams(batch_size=32),
+        TrainingSettings(train_samples=1024, batch_size=32, warmup_batches=2, ranks=2),
+        "cpu",
+        command=CommandSpec(tuple(argv), str(EXAMPLES)),
+    )
+    outcome = _run(job, timeout_s=90.0)
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    assert result is not None and result.ranks == 2 and result.per_rank is not None
+    assert len(result.per_rank["throughput_samples_per_s"]) == 2
+    # Each rank trained its share, 512, and the node's figure counts both.
+    assert result.train_samples >= 1024 and result.val_loss is not None
+    assert result.loader_site is not None and "train_ddp.py:" in result.loader_site
+
+
+SHARDED = """
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+import loader_search
+
+class Stream(IterableDataset):
+    # Shards by worker, as WebDataset does: each worker yields every n-th sample.
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, 10**9, step):
+            x = torch.randn(8)
+            yield x, int(x.sum() > 0)
+
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(Stream(), batch_size=16, num_workers=2)
+for x, y in loader:
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+with torch.no_grad():
+    xv = torch.randn(256, 8)
+    loss = torch.nn.functional.cross_entropy(model(xv), (xv.sum(1) > 0).long())
+    loader_search.report(val_loss=loss)  # a one-element tensor is a number too
+"""
+
+
+def test_an_endless_sharded_stream_ends_at_the_budget(tmp_path: Path) -> None:
+    # An IterableDataset with no end: the hook ends its iteration once the budget is used,
+    # and the loader built without shuffle is the training loader (the first built).
+    script = tmp_path / "stream.py"
+    script.write_text(SHARDED)
+    params = LoaderParams(batch_size=16, num_workers=2, prefetch_factor=2)
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)], params, train_samples=800))
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    assert result is not None and 800 <= result.train_samples < 800 + 16
+    assert result.val_loss is not None and result.throughput_samples_per_s > 0
