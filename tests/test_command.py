@@ -361,3 +361,45 @@ def test_an_endless_sharded_stream_ends_at_the_budget(tmp_path: Path) -> None:
     result = outcome.result
     assert result is not None and 800 <= result.train_samples < 800 + 16
     assert result.val_loss is not None and result.throughput_samples_per_s > 0
+
+
+def test_a_loader_whose_batches_hold_no_tensor_fails_at_once_naming_it(tmp_path: Path) -> None:
+    # Its samples cannot be counted, so the budget could never end the loop: the trial fails
+    # at once rather than at the no-progress limit.
+    script = tmp_path / "words.py"
+    script.write_text(
+        "from torch.utils.data import DataLoader\n"
+        "for epoch in range(10**6):\n"
+        "    for batch in DataLoader(['a', 'b', 'c', 'd'] * 64, batch_size=4, shuffle=True):\n"
+        "        pass\n"
+    )
+    started = time.perf_counter()
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)]), timeout_s=60.0)
+    assert outcome.failure is not None and outcome.failure.reason == "not_applied"
+    assert "counting a batch's samples" in outcome.failure.message
+    assert time.perf_counter() - started < 30
+
+
+KILLED_RANK = """
+import os, signal
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+dist.init_process_group("gloo")
+data = TensorDataset(torch.randn(4096, 8), torch.randint(0, 2, (4096,)))
+loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, shuffle=True))
+for step, (x, y) in enumerate(loader):
+    if dist.get_rank() == 1 and step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(x.sum())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_torchrun_rank_is_no_out_of_memory_and_leaves_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "ranks.py"
+    script.write_text(KILLED_RANK)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    outcome = _run(_job(tmp_path, argv), timeout_s=60.0)
+    assert outcome.failure is not None
+    assert outcome.failure.reason not in ("host_oom", "timeout"), outcome.failure
+    assert "SIGKILL" in outcome.failure.traceback or "Signal 9" in outcome.failure.traceback

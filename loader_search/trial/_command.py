@@ -243,6 +243,13 @@ class _Command:
             self._look()
             if self.seen.progress != progress:
                 progress, last_progress = self.seen.progress, now
+            if self.seen.hook_errors:  # the hook cannot do its part: no honest reading
+                _stop_group(process, 0.0)
+                return None, failure_for(
+                    NOT_APPLIED,
+                    f"the loader-search hook failed in the command: {self.seen.hook_errors[0]}",
+                    self.output.text(),
+                )
             done = self._done()
             if done is not None:
                 _stop_group(process, STOP_GRACE_S)
