@@ -403,3 +403,24 @@ def test_a_killed_torchrun_rank_is_no_out_of_memory_and_leaves_nothing(tmp_path:
     assert outcome.failure is not None
     assert outcome.failure.reason not in ("host_oom", "timeout"), outcome.failure
     assert "SIGKILL" in outcome.failure.traceback or "Signal 9" in outcome.failure.traceback
+
+
+@pytest.mark.timeout(180)
+def test_a_lightning_script_is_tuned_and_its_logged_loss_read() -> None:
+    pytest.importorskip("pytorch_lightning")
+    argv = [sys.executable, "train_lightning.py"]
+    params = LoaderParams(batch_size=32, num_workers=1, prefetch_factor=2)
+    job = TrialJob(
+        None,
+        params,
+        TrainingSettings(train_samples=1024, batch_size=64, warmup_batches=2),
+        "cpu",
+        command=CommandSpec(tuple(argv), str(EXAMPLES)),
+    )
+    outcome = _run(job, timeout_s=90.0)
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    # The loss the module logs (no report call in the script), after the budget.
+    assert result is not None and result.val_loss is not None and 0 < result.val_loss < 10
+    assert result.loader_site is not None and "train_lightning.py:" in result.loader_site
+    assert 1024 <= result.train_samples < 1024 + 32

@@ -57,20 +57,39 @@ _UNBATCHED = "batch_size=None: the loader does not batch (its dataset yields who
 
 def install() -> None:
     """Patch the DataLoader now if torch's loader module is loaded, else once it is."""
+    from loader_search.trial._frameworks import FRAMEWORKS
+
     _hookstate.install_state()
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        patch(module)
-    elif not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+    for name, patcher in {TARGET: patch, **FRAMEWORKS}.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            _patched(patcher, module)
+        else:
+            _PENDING[name] = patcher
+    if _PENDING and not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
 
+# Modules not imported yet, and what patches each once it is: the DataLoader, and the
+# trainers of frameworks that log a validation loss (loader_search.trial._frameworks).
+_PENDING: dict[str, Any] = {}
+
+
+def _patched(patcher: Any, module: ModuleType) -> None:
+    try:
+        patcher(module)
+    except Exception as exc:
+        state = _hookstate.current()
+        if state is not None:
+            state.record_error(f"patching {module.__name__}", exc)
+
+
 class _Finder:
-    """Finds nothing itself: hands ``torch.utils.data.dataloader``'s own spec on with a loader
-    that patches the module once it has run."""
+    """Finds nothing itself: hands a pending module's own spec on with a loader that patches
+    the module once it has run."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != TARGET:
+        if fullname not in _PENDING:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -82,13 +101,14 @@ class _Finder:
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader, _PENDING.pop(fullname))
         return spec
 
 
 class _PatchingLoader:
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, patcher: Any) -> None:
         self._loader = loader
+        self._patcher = patcher
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
@@ -100,13 +120,9 @@ class _PatchingLoader:
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]
-        try:
-            patch(module)
-        except Exception as exc:
-            state = _hookstate.current()
-            if state is not None:
-                state.record_error("patching the DataLoader", exc)
+        if not _PENDING:
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+        _patched(self._patcher, module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
