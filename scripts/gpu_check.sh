@@ -3,6 +3,10 @@
 # the package from the source tree, from wheels in .whl/ (../shared/device/prepare-wheels.sh
 # psutil). Results and full logs go to $OUT; a small table is printed last.
 #
+#   0. a study of the user's own training script on CUDA (examples/flags.toml, its command
+#      run with this machine's python3), and with several GPUs its torchrun version
+#      (examples/torchrun.toml, {ranks} = one per GPU): the trials' readings in the
+#      script's own loop;
 #   1. doctor on studies/gpu.toml;
 #   2. `python -m benchmarks speedup --config studies/gpu.toml`: a real 20-trial study on CUDA,
 #      then baseline, rule of thumb and recommendation side by side with their ceilings;
@@ -10,14 +14,14 @@
 #      speedups (paired confirmation, 95% CI) against a side-by-side measurement afterwards;
 #   4. a study whose large batches really run out of GPU memory (scripts/gpu_oom.toml): with
 #      gradient accumulation (the default) they are measured as micro-batches that fit;
-#   5. the ImageNet-like reference (studies/imagenet-like.toml, issue 15): `make-images`, then
+#   5. the ImageNet-like reference (studies/imagenet-like.toml): `make-images`, then
 #      a real study of a ResNet-18 on 224px crops and the same side by side as in 2; then the
-#      same under the user's real step (issue 25): bf16 autocast + torch.compile +
+#      same under the user's real step: bf16 autocast + torch.compile +
 #      channels_last (a copy of the config with those three [training] keys);
 #   6. `python -m benchmarks.steps`: the quickstart and text workloads' ceilings and best
-#      settings under fp32 eager, bf16, compile and bf16 + compile (issue 25), and fp16 with
+#      settings under fp32 eager, bf16, compile and bf16 + compile and fp16 with
 #      its GradScaler through `tests/test_step.py` (skipped on a CPU);
-#   7. a 2-rank smoke study on the one GPU (issue 26: both ranks on cuda:0, gloo).
+#   7. a 2-rank smoke study on the one GPU (both ranks on cuda:0, gloo).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -36,6 +40,20 @@ step() { echo; echo "=== $1 ($(date +%T))"; }
 step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+
+step "your own training script on CUDA (examples/flags.toml)"
+sed 's/"python", "train.py"/"python3", "train.py"/' examples/flags.toml > examples/gpu-flags.toml
+timeout 300 python3 -m loader_search run examples/gpu-flags.toml --storage "sqlite:///$OUT/command.db" \
+  > "$OUT/command.log" 2>&1
+echo "command study exit $?"; tail -30 "$OUT/command.log"
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ]; then
+  sed 's/"torchrun", /"python3", "-m", "torch.distributed.run", /; s/^ranks = 2 .*/ranks = "auto"/' \
+    examples/torchrun.toml > examples/gpu-torchrun.toml
+  timeout 300 python3 -m loader_search run examples/gpu-torchrun.toml \
+    --storage "sqlite:///$OUT/command.db" > "$OUT/torchrun.log" 2>&1
+  echo "torchrun study exit $?"; tail -30 "$OUT/torchrun.log"
+fi
+rm -f examples/gpu-flags.toml examples/gpu-torchrun.toml
 
 step "doctor"
 python3 -m loader_search doctor studies/gpu.toml 2>&1 | tee "$OUT/doctor.txt"
@@ -64,7 +82,7 @@ if python3 -c 'import torchvision' > "$OUT/imagenet.log" 2>&1; then
   python3 -m benchmarks speedup --config studies/imagenet-like.toml --rounds 3 \
     --out "$OUT/imagenet" > "$OUT/imagenet.log" 2>&1
   echo "imagenet-like exit $?"; tail -40 "$OUT/imagenet.log"
-  # The user's real step: bf16 autocast, torch.compile, channels_last (issue 25).
+  # The user's real step: bf16 autocast, torch.compile, channels_last.
   sed 's/^\[training\]$/[training]\nprecision = "bf16"\ncompile = true\nchannels_last = true\nwarmup_batches = 8/' \
     studies/imagenet-like.toml > "$OUT/imagenet-fast.toml"
   sed -i "s/^name = \"imagenet-like\"$/name = \"imagenet-fast\"/; s|^root = .*|root = \"$PWD/data/imagenet-like\"|" \
@@ -82,7 +100,7 @@ echo "steps exit $?"; tail -20 "$OUT/steps.log"
 python3 -m pytest -q -p no:cacheprovider tests/test_step.py > "$OUT/test_step.log" 2>&1
 echo "test_step exit $?"; tail -5 "$OUT/test_step.log"
 
-step "2-rank smoke study on one GPU (issue 26)"
+step "2-rank smoke study on one GPU"
 sed 's/^\[training\]$/[training]\nranks = 2/; s/^trials = .*/trials = 4/' studies/gpu.toml \
   > "$OUT/ranks.toml"
 sed -i 's/^name = "gpu"$/name = "gpu-ranks"/' "$OUT/ranks.toml"
