@@ -23,8 +23,8 @@ runner's and the fresh process's readings over the reference's (the medians of t
 per-round ratios); per method, each setting's speedup over the first (the baseline), from the
 per-round ratios as the study's confirmation computes it. A runner that reads one setting low
 and another right shows here as a speedup the reference does not see; a runner that differs
-from the fresh process shows what forking from the worker does to a reading (issue 27's
-claims read a mean 7% high against the loop), and the host whether a trial forked from a
+from the fresh process shows what forking from the worker does to a reading (the claims
+of 2026-12-04 read a mean 7% high against the loop), and the host whether a trial forked from a
 kept fresh process reads as a new process does.
 """
 
@@ -51,7 +51,7 @@ METHODS = ("runner", "host", "fresh", "reference")
 OTHERS = METHODS[:-1]  # read against the reference
 TIMEOUT_S = 300  # one fresh reading
 # The quickstart's baseline and what its studies recommend on a 2-core CPU (one persistent
-# worker, prefetch 6, one torch thread: the issue 27 studies' answer).
+# worker, prefetch 6, one torch thread: what the claims studies recommended).
 QUICKSTART_SETTINGS = {
     "baseline": LoaderParams(64, 0, torch_threads=2),
     "recommended": LoaderParams(64, 1, 6, False, True, 1),

@@ -1,4 +1,4 @@
-"""Worker processes against a thread pool, each in and out of order, side by side (issue 18).
+"""Worker processes against a thread pool, each in and out of order, side by side.
 
 For the quickstart's workload and a variable-cost variant of it (a tenth of the training
 images stored 4x larger each way, so decoding one costs about 16 times as much: the stall

@@ -11,7 +11,7 @@ in both sides), each round both settings in alternating order. The side-by-side 
 the geometric mean of the per-round ratios, with its own 95% interval. Interleaved into the
 same rounds, each setting is also read by the service's own runner as the study's worker ran
 its confirmation trials (`confirming`: forked from a fresh process kept for the rounds, by
-default; before the fifteenth session, forked from this process, the study's worker), so a
+default; until 2026-12-06, forked from this process, the study's worker), so a
 claim's error splits into what the runner reads differently from the plain loop at the same
 time and what changed between the study's rounds and the check. The study's own rounds are
 also continued to ten after it stops (`more_rounds`), for `benchmarks.stopping`. Also per

@@ -15,7 +15,7 @@ training script is:
    ``time.perf_counter`` between the ends of two steps. The reading is the median window
    (samples/s); the windows run across epoch boundaries as training does. Each window's minor
    page faults (``getrusage``, read at the same edges) come with it: a diagnostic to set
-   beside a trial's ``window_minor_faults`` (issue 27).
+   beside a trial's ``window_minor_faults``.
 
 Nothing else runs in the process: no meters, no progress pings, no memory sampling.
 """

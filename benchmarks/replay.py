@@ -379,7 +379,7 @@ def measured_by_default(
 def variants() -> list[Variant]:
     """What the replay compares (see benchmarks/README.md)."""
     return [
-        # The default: the pipeline model picks the first trials, then TPE (issue 12).
+        # The default: the pipeline model picks the first trials, then TPE.
         Variant("model + tpe (default)", SamplerConfig()),
         Variant("model + random", SamplerConfig(name="random")),
         # Without the model: the samplers alone, as the service searched before.

@@ -10,13 +10,13 @@ candidates, the same without the futility stop `ConfirmSettings.futility`, and n
 ``top`` 1, the default; all three with the study's default minimum, cap and futility; and
 no race under the rules before them (at least 3 rounds; also with the blocks' test before
 the F test; also with futility 0.1) and with a cap of 10, for comparison): the median and
-mean of stated / true speedup and the median of |log(stated / true)| (issue 27's claim
+mean of stated / true speedup and the median of |log(stated / true)| (the claims'
 error, against the truth itself) for the claim as stated (the leader's rounds after the
 race, `Rounds.claims`) and for the same studies' claim from every round of the leader (the
 race's round included, `Rounds.speedups`), how often each interval covers the truth, how
 often the verdict is "faster", how often the leader is truly the fastest and its true speed
 over the fastest's (what the choice costs), and the trials the rounds took. Nothing is
-timed: no machine noise, only the statistics of the rules (issue 27's winner's curse and the
+timed: no machine noise, only the statistics of the rules (the winner's curse and the
 confirmation's cost).
 """
 
@@ -68,10 +68,10 @@ RULES = {
     "race of 2": SETTINGS,
     "race of 2, no futility stop": dataclasses.replace(SETTINGS, futility=0.0),
     "no race (top 1)": dataclasses.replace(SETTINGS, top=1),
-    # The default's rules before: at least 3 rounds (before the fifteenth session), with the
+    # The default's rules before: at least 3 rounds (until 2026-12-06), with the
     # blocks' test of the day too (Cochran's Q against its chi-square quantile, which flagged
-    # pure noise as a moved machine in 18-30% of studies), and futility below 10% (before
-    # the fourteenth); a shorter cap, weighed in it (benchmarks/stopping.py).
+    # pure noise as a moved machine in 18-30% of studies), and futility below 10% (until
+    # 2026-12-05); a shorter cap, weighed in it (benchmarks/stopping.py).
     "no race, at least 3 rounds": dataclasses.replace(SETTINGS, top=1, min_rounds=3),
     "no race, at least 3 rounds, chi-square blocks": dataclasses.replace(
         SETTINGS, top=1, min_rounds=3, block_test="chi2"
@@ -149,7 +149,7 @@ def _row(
             return "- | -"
         errors = [c.estimate / true for c, true in claims]
         covers = [c.low <= true <= c.high for c, true in claims]
-        off = statistics.median(abs(math.log(e)) for e in errors)  # issue 27's claim error
+        off = statistics.median(abs(math.log(e)) for e in errors)  # the claims' error
         return (
             f"{statistics.median(errors):.3f} / {statistics.fmean(errors):.3f} | {off:.1%}"
             f" | {statistics.fmean(covers):.0%}"

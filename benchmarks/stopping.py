@@ -1,8 +1,8 @@
-"""The confirmation's stop rules replayed on rounds that real studies measured (issue 27).
+"""The confirmation's stop rules replayed on rounds that real studies measured.
 
 Each `claims` run (``python -m benchmarks claims``) stores, for every study, the throughput
 its confirmation rounds read per round (baseline and recommendation, in round order), since
-the fifteenth session those rounds continued past the study's stop to ten, as its worker
+2026-12-06 those rounds continued past the study's stop to ten, as its worker
 would have run them (`benchmarks.claims.more_rounds`), the time its search and its
 confirmation trials took, and the plain training loop's speedup read side by side right
 after the study (`benchmarks.reference`). A stop rule only decides after how many of those
@@ -65,7 +65,7 @@ FRESH_RUNS = (
 
 # The study's default rule (`StudyConfig`'s defaults, as the simulation runs them), no race.
 NOW = dataclasses.replace(selection.SETTINGS, top=1)
-# The rules before it: at least 3 rounds, and until the fifteenth session the blocks' test of
+# The rules before it: at least 3 rounds, and until 2026-12-06 the blocks' test of
 # the day (`BlockTest` "chi2"), so that the studies recorded under them replay as they ran.
 THREE = dataclasses.replace(NOW, min_rounds=3)
 CHI2 = dataclasses.replace(THREE, block_test="chi2")
