@@ -424,3 +424,21 @@ def test_a_lightning_script_is_tuned_and_its_logged_loss_read() -> None:
     assert result is not None and result.val_loss is not None and 0 < result.val_loss < 10
     assert result.loader_site is not None and "train_lightning.py:" in result.loader_site
     assert 1024 <= result.train_samples < 1024 + 32
+
+
+def test_a_setting_the_training_loader_cannot_take_fails_naming_it(tmp_path: Path) -> None:
+    # A batch_sampler fixes the batch size: injecting another is impossible, and measuring
+    # the script's own would be a silent no-op.
+    loader = (
+        "from torch.utils.data import BatchSampler, RandomSampler\n"
+        "train_loader = DataLoader(train, batch_sampler=BatchSampler("
+        "RandomSampler(train), batch_size=16, drop_last=False))"
+    )
+    script = _script(tmp_path, loader)
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)], LoaderParams(batch_size=64)))
+    assert outcome.failure is not None and outcome.failure.reason == "not_applied"
+    assert "batch_size cannot reach" in outcome.failure.message
+    assert "batch_sampler fixes the batch size" in outcome.failure.message
+    # The trial of the batch size the sampler has measures the script as it is.
+    same = _run(_job(tmp_path, [sys.executable, str(script)], LoaderParams(batch_size=16)))
+    assert same.failure is None, same.failure

@@ -250,6 +250,10 @@ class _Command:
                     f"the loader-search hook failed in the command: {self.seen.hook_errors[0]}",
                     self.output.text(),
                 )
+            refused = self._not_applied()
+            if refused is not None:  # the trial would measure the script's own setting
+                _stop_group(process, 0.0)
+                return None, refused
             done = self._done()
             if done is not None:
                 _stop_group(process, STOP_GRACE_S)
@@ -284,6 +288,28 @@ class _Command:
         self.seen.hook_errors = [
             p.read_text(errors="replace").strip() for p in self.folder.glob("hook-error-*.txt")
         ]
+
+    def _not_applied(self) -> TrialFailure | None:
+        """A failure naming the trial's settings the training loader could not take (a
+        batch_sampler fixes the batch size, torch refused one): never a silent no-op."""
+        for proc in self.seen.procs:
+            for loader in proc.get("loaders", []):
+                skipped = {
+                    name: why
+                    for name, why in (loader.get("not_applied") or {}).items()
+                    # the loader has the trial's value anyway (a batch_sampler of that size)
+                    if loader.get(name) != getattr(self.job.params, name, None)
+                }
+                if loader.get("train") and skipped:
+                    name, why = next(iter(skipped.items()))
+                    return failure_for(
+                        NOT_APPLIED,
+                        f"{name} cannot reach the training DataLoader built at"
+                        f" {loader.get('site')}: {why}; pass it as a flag, or fix it in"
+                        f" [space] (e.g. {name} = [one value])",
+                        self.output.text(),
+                    )
+        return None
 
     def _val_loss(self, after: float) -> float | None:
         """The first validation loss reported at or after ``after`` (``time.time()``)."""

@@ -317,6 +317,8 @@ def _note_effective(loader: Any, info: _LoaderInfo) -> None:
     record = info.record
     record["num_workers"] = getattr(loader, "num_workers", None)
     record["batch_size"] = getattr(loader, "batch_size", None)
+    if record["batch_size"] is None:  # a batch_sampler's own, where it says
+        record["batch_size"] = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
 
 
 def _fall_back_to_first(
