@@ -442,3 +442,20 @@ def test_a_setting_the_training_loader_cannot_take_fails_naming_it(tmp_path: Pat
     # The trial of the batch size the sampler has measures the script as it is.
     same = _run(_job(tmp_path, [sys.executable, str(script)], LoaderParams(batch_size=16)))
     assert same.failure is None, same.failure
+
+
+def test_a_loader_re_created_over_the_same_data_keeps_the_trials_settings(
+    tmp_path: Path,
+) -> None:
+    # As Lightning re-creates the user's loader with a DistributedSampler: the loader the
+    # script iterates is a second one, over the training loader's own data set.
+    loader = (
+        "first = DataLoader(train, batch_size=16, shuffle=True)\n"
+        "from torch.utils.data import RandomSampler\n"
+        "train_loader = DataLoader(first.dataset, batch_size=16, sampler=RandomSampler(train))"
+    )
+    script = _script(tmp_path, loader)
+    params = LoaderParams(batch_size=32, num_workers=1, prefetch_factor=2)
+    outcome = _run(_job(tmp_path, [sys.executable, str(script)], params))
+    assert outcome.failure is None, outcome.failure
+    assert (_seen(tmp_path)["batch_size"], _seen(tmp_path)["workers"]) == (32, 1)

@@ -102,6 +102,9 @@ class ProcessState:
         self.loaders: list[dict[str, Any]] = []
         self.built = 0  # DataLoaders built in this process so far
         self.train_decided = False  # whether the training loader is known (or cannot be)
+        # The training loader's data set: a shuffling loader built later over it is the same
+        # loader re-created (Lightning adds a DistributedSampler that way).
+        self.train_dataset: Any = None
         self.samples = 0
         self.batches = 0
         self.ticks = 0

@@ -15,7 +15,10 @@ Which loader is the training loader, in each process (each rank):
   ``DistributedSampler`` whose ``shuffle`` is true, or a ``batch_sampler`` whose ``.sampler``
   is one of those;
 * if no loader was built with one by the time the first loader built is first iterated, the
-  first loader built: it is initialised again then, with the trial's settings.
+  first loader built: it is initialised again then, with the trial's settings;
+* and a shuffling loader built later over the training loader's own data set: the same
+  loader re-created (Lightning re-creates it with a ``DistributedSampler``), which keeps the
+  trial's settings.
 
 The training loader gets the settings the trial injects (those the command line does not pass
 itself); a setting that cannot apply is recorded with its reason, never dropped silently. Its
@@ -226,7 +229,9 @@ def _plan(
     }
     state.loaders.append(record)
     wanted = state.settings.train_loader
-    training = (
+    dataset = arguments.get("dataset")
+    recreated = shuffles and dataset is not None and dataset is state.train_dataset
+    training = recreated or (
         state.built == wanted if wanted is not None else shuffles and not state.train_decided
     )
     # The first loader's own arguments are kept: it becomes the training loader if no
@@ -236,6 +241,7 @@ def _plan(
     if not training:
         return info, None
     state.train_decided = True
+    state.train_dataset = dataset
     record["train"] = True
     return info, _injected(arguments, state.settings, record, signature)
 
