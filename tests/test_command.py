@@ -459,3 +459,52 @@ def test_a_loader_re_created_over_the_same_data_keeps_the_trials_settings(
     outcome = _run(_job(tmp_path, [sys.executable, str(script)], params))
     assert outcome.failure is None, outcome.failure
     assert (_seen(tmp_path)["batch_size"], _seen(tmp_path)["workers"]) == (32, 1)
+
+
+HF_TRAINER = """
+import sys
+import torch
+from torch.utils.data import Dataset
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, 100, (n, 16), generator=g)
+        self.labels = (self.ids[:, 0] > 50).long()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(16, dtype=torch.long),
+                "labels": self.labels[i]}
+
+
+config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=64, max_position_embeddings=32, num_labels=2)
+args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=16,
+                         num_train_epochs=50, eval_strategy="epoch", save_strategy="no",
+                         report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True)
+Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens(512, 0),
+        eval_dataset=Tokens(128, 1)).train()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_hugging_face_trainer_is_tuned_and_its_eval_loss_read(tmp_path: Path) -> None:
+    # The Trainer builds its loaders from TrainingArguments; the hook finds the training one
+    # (a RandomSampler) and reads the eval_loss each evaluation logs.
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    script = tmp_path / "hf.py"
+    script.write_text(HF_TRAINER)
+    params = LoaderParams(batch_size=32, num_workers=1, prefetch_factor=2)
+    argv = [sys.executable, str(script), str(tmp_path / "out")]
+    outcome = _run(_job(tmp_path, argv, params), timeout_s=90.0)
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    assert result is not None and result.val_loss is not None and 0 < result.val_loss < 5
+    assert result.train_samples == 1024  # 32 batches of 32: the trial's batch size
+    assert result.loader_site is not None and "transformers" in result.loader_site
