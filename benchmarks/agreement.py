@@ -42,8 +42,8 @@ from benchmarks import reference
 from benchmarks._fresh import in_fresh_process
 from benchmarks.ground_truth import QUICKSTART, measure, measure_in_process, quick_config
 from loader_search.params import LoaderParams
-from loader_search.study._config import StudyConfig, load_config
-from loader_search.study._paired import paired_speedup
+from loader_search.study.config._config import StudyConfig, load_config
+from loader_search.study.stats._paired import paired_speedup
 from loader_search.trial import FreshHost
 from loader_search.workloads import load_workload
 

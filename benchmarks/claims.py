@@ -3,8 +3,8 @@ taken afterwards, over several independent studies.
 
 For each seed: a real study with the service's defaults (the quickstart config, a fresh SQLite
 file, that seed), which ends with its paired confirmation rounds and states the recommendation's
-speedup over the baseline with a 95% interval (`loader_search.study._confirm`). Then, once the
-study is done, the baseline and the recommendation side by side: ``rounds`` paired rounds of
+speedup over the baseline with a 95% interval (`loader_search.study.stats._confirm`). Then, once
+the study is done, the baseline and the recommendation side by side: ``rounds`` paired rounds of
 the reference loop (`benchmarks.reference`: a plain training loop, a fresh process per
 reading, sharing no code with the service's trial runner, so a bias of the runner cannot hide
 in both sides), each round both settings in alternating order. The side-by-side speedup is
@@ -40,7 +40,6 @@ from optuna.trial import FrozenTrial
 from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, measure, quick_config
 from loader_search.params import LoaderParams
-from loader_search.study._config import StudyConfig, load_config
 from loader_search.study._events import NullReporter, TrialEvent
 from loader_search.study._keys import (
     MEASURED_SAMPLES,
@@ -48,8 +47,9 @@ from loader_search.study._keys import (
     is_confirmation,
     stored_params,
 )
-from loader_search.study._paired import paired_speedup
 from loader_search.study._session import run_study
+from loader_search.study.config._config import StudyConfig, load_config
+from loader_search.study.stats._paired import paired_speedup
 from loader_search.trial import FreshHost, WorkloadRecipe
 from loader_search.workloads import Workload, load_workload
 

@@ -2,10 +2,10 @@
 
 Every trial of a replayed study goes through the service's own code: its sampler
 (`loader_search.study._open.make_sampler`), its search space (`ResolvedSpace.suggest`), the
-baseline first, its early stop (`loader_search.study._plan.plan_trial`), the worker's budget
-decision (`loader_search.study._budget.decide`: the next trial, the baseline, re-measurement of
-the candidates) and its queueing of what that decision asks for (`_take.queue_decision`), and
-its recommendation rule (`summarize_trials`). Only the
+baseline first, its early stop (`loader_search.study.work._plan.plan_trial`), the worker's
+budget decision (`loader_search.study.work._budget.decide`: the next trial, the baseline,
+re-measurement of the candidates) and its queueing of what that decision asks for
+(`_take.queue_decision`), and its recommendation rule (`summarize_trials`). Only the
 training is replaced: a trial is answered with one of the table's real repeats of its
 configuration, drawn at random, so the replay sees the measurement noise a study sees: its
 throughput over the study's window (warm-up to the early-stop mark, as every trial is scored)
@@ -14,7 +14,7 @@ its batch size and costs what the shortened run cost. The first trial of each ba
 thread count also measures the ceiling, as in the service, and pays what a ceiling reading
 costs; later trials of that pair reuse it. Once the budget is used, the candidates are
 confirmed against the baseline in paired rounds as the worker decides (`decide`, one trial at a
-time: `loader_search.study._confirm`). The study itself is a real Optuna study in memory.
+time: `loader_search.study.stats._confirm`). The study itself is a real Optuna study in memory.
 
 Quality is judged against the table's medians (the truth):
 
@@ -44,17 +44,6 @@ from optuna.trial import FrozenTrial
 
 from benchmarks.ground_truth import Entry, Space
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._budget import (
-    FINISHED_STATES,
-    Done,
-    Take,
-    Wait,
-    count_used,
-    decide,
-)
-from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._confirm import ConfirmSettings
-from loader_search.study._guide import Guide, Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CEILING_ATTR,
@@ -70,16 +59,27 @@ from loader_search.study._keys import (
     stored_params,
 )
 from loader_search.study._open import make_sampler
-from loader_search.study._plan import plan_trial
-from loader_search.study._recommend import hypervolume_2d, summarize_trials
-from loader_search.study._space import IntRange, ResolvedSpace
-from loader_search.study._take import queue_decision
+from loader_search.study.config._config import SamplerConfig, StudyConfig
+from loader_search.study.search._guide import Guide, Proposal
+from loader_search.study.search._space import IntRange, ResolvedSpace
+from loader_search.study.stats._confirm import ConfirmSettings
+from loader_search.study.stats._recommend import hypervolume_2d, summarize_trials
+from loader_search.study.work._budget import (
+    FINISHED_STATES,
+    Done,
+    Take,
+    Wait,
+    count_used,
+    decide,
+)
+from loader_search.study.work._plan import plan_trial
+from loader_search.study.work._take import queue_decision
 
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
 HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)
 LOSS_TOLERANCE = 0.05
 # The service's defaults: the 3 fastest candidates confirmed against the baseline in paired
-# rounds (see loader_search.study._confirm).
+# rounds (see loader_search.study.stats._confirm).
 DEFAULTS = StudyConfig()
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
@@ -146,7 +146,8 @@ class Variant:
 
     @property
     def model(self) -> bool:
-        """Whether the pipeline model picks the first trials (`loader_search.study._guide`)."""
+        """Whether the pipeline model picks the first trials
+        (`loader_search.study.search._guide`)."""
         return isinstance(self.sampler, SamplerConfig) and self.sampler.model
 
 
@@ -234,7 +235,7 @@ class _Replay:
         self.grid_size = self.space.size() if grid else None
         self.cost = 0.0
         self.train_size: int | None = None
-        # As the worker does (`loader_search.study._take._guide`), on the table's machine.
+        # As the worker does (`loader_search.study.work._take._guide`), on the table's machine.
         self.guide = (
             Guide(self.space, "cpu", self.space.usable_cpus, loss_tolerance=LOSS_TOLERANCE)
             if variant.model
@@ -291,7 +292,7 @@ class _Replay:
     def run(self, budget: int) -> list[FrozenTrial]:
         """Run ``budget`` more trials (the baseline first, unless the study has one), then
         the re-measurements: each step as the worker takes it
-        (`loader_search.study._budget.decide`, one trial at a time)."""
+        (`loader_search.study.work._budget.decide`, one trial at a time)."""
         total = budget + count_used(self._trials(), FINISHED_STATES)
         while True:
             trials = self._trials()

@@ -4,7 +4,7 @@ For each backend (the local PostgreSQL and MariaDB) and team size, a fresh datab
 study of a plug-in that trains in milliseconds (`benchmarks/fast_workload.py`), and that many
 real ``loader-search worker`` processes share its budget. Each worker has a host-lock folder
 of its own, so their trials overlap as on many machines, and writes its per-trial times
-(`loader_search.study._timings`). Measured per run:
+(`loader_search.study.work._timings`). Measured per run:
 
 * coordination per trial: everything a worker does for a trial besides training it (look
   ahead, the study lock's wait and hold, taking, recording, reporting), p50 / p95 / max;
@@ -261,7 +261,7 @@ def _summarise(
     import optuna
     from optuna.trial import TrialState
 
-    from loader_search.study._budget import FINISHED_STATES, count_used
+    from loader_search.study.work._budget import FINISHED_STATES, count_used
 
     lines = (
         [json.loads(line) for line in timings.read_text().splitlines()] if timings.exists() else []

@@ -35,15 +35,15 @@ from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._config import StudyConfig
-from loader_search.study._confirm import ConfirmSettings, next_remeasure, rounds_of
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     PARAMS_ATTR,
 )
-from loader_search.study._paired import PairedSpeedup
+from loader_search.study.config._config import StudyConfig
+from loader_search.study.stats._confirm import ConfirmSettings, next_remeasure, rounds_of
+from loader_search.study.stats._paired import PairedSpeedup
 
 BASE = LoaderParams(64, 0, torch_threads=2)
 A = LoaderParams(64, 2, 2, False, True, 1)

@@ -73,7 +73,7 @@ def one(
     import dataclasses
 
     from loader_search.params import LoaderParams, RunPlan
-    from loader_search.study._config import load_config
+    from loader_search.study.config._config import load_config
     from loader_search.trial import run_trial
     from loader_search.workloads import load_workload
 
@@ -173,8 +173,8 @@ def standin(out: Path, quick: bool) -> dict[str, Any]:
     from optuna.trial import TrialState
 
     from benchmarks.ground_truth import quick_config
-    from loader_search.study._config import load_config
     from loader_search.study._session import run_study
+    from loader_search.study.config._config import load_config
 
     base = load_config(ROOT / STANDIN)
     if quick:

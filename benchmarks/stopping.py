@@ -47,8 +47,8 @@ from typing import Any
 
 from benchmarks import selection
 from loader_search.params import LoaderParams
-from loader_search.study._confirm import ConfirmSettings, Rounds, _settled
-from loader_search.study._paired import paired_speedup
+from loader_search.study.stats._confirm import ConfirmSettings, Rounds, _settled
+from loader_search.study.stats._paired import paired_speedup
 
 DATA = Path(__file__).parent / "data"
 # The claims runs on record whose confirmation trials were forked from a fresh process.

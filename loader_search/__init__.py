@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 from loader_search._version import __version__
 
 _EXPORTS = {
-    "CpuRange": "loader_search.study._space",
-    "IntRange": "loader_search.study._space",
-    "SearchSpace": "loader_search.study._space",
+    "CpuRange": "loader_search.study.search._space",
+    "IntRange": "loader_search.study.search._space",
+    "SearchSpace": "loader_search.study.search._space",
     "LoaderParams": "loader_search.params",
     "dataloader_snippet": "loader_search._snippets",
-    "SamplerConfig": "loader_search.study._config",
-    "StudyConfig": "loader_search.study._config",
-    "load_config": "loader_search.study._config",
-    "StudySummary": "loader_search.study._recommend",
+    "SamplerConfig": "loader_search.study.config._config",
+    "StudyConfig": "loader_search.study.config._config",
+    "load_config": "loader_search.study.config._config",
+    "StudySummary": "loader_search.study.stats._recommend",
     "run_study": "loader_search.study._session",
     "LineReporter": "loader_search.study._events",
     "NullReporter": "loader_search.study._events",
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from loader_search._snippets import dataloader_snippet
     from loader_search.errors import UserError
     from loader_search.params import LoaderParams
-    from loader_search.study._config import SamplerConfig, StudyConfig, load_config
     from loader_search.study._events import (
         LineReporter,
         NullReporter,
@@ -75,9 +74,10 @@ if TYPE_CHECKING:
         StudyInfo,
         TrialEvent,
     )
-    from loader_search.study._recommend import StudySummary
     from loader_search.study._session import init_study, run_study, run_worker
-    from loader_search.study._space import CpuRange, IntRange, SearchSpace
+    from loader_search.study.config._config import SamplerConfig, StudyConfig, load_config
+    from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+    from loader_search.study.stats._recommend import StudySummary
     from loader_search.trial import TrialResult, run_trial
     from loader_search.workloads import Workload
 

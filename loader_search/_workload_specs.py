@@ -1,5 +1,5 @@
 """Workload specs, without importing torch: which names are built in, which name a plug-in
-file, and how a config file's relative paths resolve (`loader_search.study._config` reads
+file, and how a config file's relative paths resolve (`loader_search.study.config._config` reads
 configs before anything heavy is imported)."""
 
 from __future__ import annotations

@@ -224,7 +224,8 @@ class TrainingSettings:
     warmup_batches: int = 2
     eval_batch_size: int = 256
     seed: int = 0
-    # A trial whose batch size was already evaluated stops early (see loader_search.study._plan).
+    # A trial whose batch size was already evaluated stops early (see
+    # loader_search.study.work._plan).
     reuse_val_loss: bool = True
     # "auto": a batch size that does not fit in memory (measured or inferred) is trained as
     # micro-batches that fit, with the gradients accumulated; "off": it is infeasible.
@@ -338,7 +339,7 @@ class RunPlan:
     same mark for a full and a shortened trial so that they compare (see
     `loader_search.trial._run.short_run_samples`). ``stop_early``: stop training there and skip
     the evaluation, because the study already knows the validation loss of this batch size
-    (see `loader_search.study._plan`). ``measure_ceiling``: after training, time the same
+    (see `loader_search.study.work._plan`). ``measure_ceiling``: after training, time the same
     model on pre-decoded batches already on the device, the throughput no loader can beat.
     """
 

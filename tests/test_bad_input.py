@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from loader_search._rules import RANGES
 from loader_search.errors import UserError
-from loader_search.study._config import parse_config
+from loader_search.study.config._config import parse_config
 from loader_search.team._masking import mask_url
 from loader_search.team._storage import DB_TIMEOUT_ENV, open_storage
 from tests.conftest import (

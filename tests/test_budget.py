@@ -1,5 +1,5 @@
-"""The budget decision (`loader_search.study._budget.decide`) on hand-made trials: what a worker
-does next under the study lock, and what the benchmarks' replay follows too."""
+"""The budget decision (`loader_search.study.work._budget.decide`) on hand-made trials: what a
+worker does next under the study lock, and what the benchmarks' replay follows too."""
 
 from __future__ import annotations
 
@@ -12,18 +12,6 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._budget import (
-    Confirm,
-    Done,
-    Take,
-    Wait,
-    confirm_settings,
-    count_used,
-    decide,
-    uses_budget,
-)
-from loader_search.study._config import StudyConfig
-from loader_search.study._confirm import ConfirmSettings, Remeasure
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ATTR,
@@ -36,7 +24,19 @@ from loader_search.study._keys import (
     TOLERANCE_ATTR,
     WORKER_ATTR,
 )
-from loader_search.study._take import Patience
+from loader_search.study.config._config import StudyConfig
+from loader_search.study.stats._confirm import ConfirmSettings, Remeasure
+from loader_search.study.work._budget import (
+    Confirm,
+    Done,
+    Take,
+    Wait,
+    confirm_settings,
+    count_used,
+    decide,
+    uses_budget,
+)
+from loader_search.study.work._take import Patience
 from loader_search.trial import INTERRUPTED
 
 NO_CONFIRM = ConfirmSettings(

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from loader_search.errors import UserError
-from loader_search.study._config import StudyConfig, load_config, parse_config
-from loader_search.study._space import CpuRange, IntRange
+from loader_search.study.config._config import StudyConfig, load_config, parse_config
+from loader_search.study.search._space import CpuRange, IntRange
 
 ROOT = Path(__file__).resolve().parents[1]
 

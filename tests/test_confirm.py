@@ -1,4 +1,4 @@
-"""Paired, interleaved confirmation (`loader_search.study._confirm`) on hand-made studies.
+"""Paired, interleaved confirmation (`loader_search.study.stats._confirm`) on hand-made studies.
 
 The studies are real Optuna studies in memory whose trials are added with known readings, so
 the order of the rounds, when they stop, and the interval each candidate ends with are worked
@@ -20,15 +20,6 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy import stats
 
 from loader_search.params import LoaderParams
-from loader_search.study._budget import confirm_settings
-from loader_search.study._config import StudyConfig
-from loader_search.study._confirm import (
-    MAX_DISTURBED,
-    RACE_ROUNDS,
-    ConfirmSettings,
-    Remeasure,
-    next_remeasure,
-)
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ATTR,
@@ -38,7 +29,15 @@ from loader_search.study._keys import (
     OTHER_LOAD_ATTR,
     PARAMS_ATTR,
 )
-from loader_search.study._paired import (
+from loader_search.study.config._config import StudyConfig
+from loader_search.study.stats._confirm import (
+    MAX_DISTURBED,
+    RACE_ROUNDS,
+    ConfirmSettings,
+    Remeasure,
+    next_remeasure,
+)
+from loader_search.study.stats._paired import (
     FASTER,
     NO_RELIABLE_GAIN,
     RERUN_NOISE,
@@ -47,7 +46,8 @@ from loader_search.study._paired import (
     paired_speedup,
     t_975,
 )
-from loader_search.study._recommend import NOT_CONFIRMED, VERDICTS, summarize_trials
+from loader_search.study.stats._recommend import NOT_CONFIRMED, VERDICTS, summarize_trials
+from loader_search.study.work._budget import confirm_settings
 from loader_search.trial import INTERRUPTED
 
 BASE = LoaderParams(64, 0, torch_threads=2)

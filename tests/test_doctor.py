@@ -19,9 +19,9 @@ from loader_search.cli._doctor import (
     diagnose,
 )
 from loader_search.params import LoaderParams
-from loader_search.study._config import load_config, parse_config
-from loader_search.study._fit import fit_space, sample_bytes, shm_footprint_bytes
-from loader_search.study._space import CpuRange, IntRange, SearchSpace
+from loader_search.study.config._config import load_config, parse_config
+from loader_search.study.search._fit import fit_space, sample_bytes, shm_footprint_bytes
+from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
 from tests.conftest import run_cli
 

@@ -20,14 +20,14 @@ SETTERS = ("set_user_attr", "set_system_attr")
 # The same word with another meaning, never stored as a key: (file, string) -> what it names.
 OTHER_MEANINGS = {
     ("loader_search/cli/_doctor.py", "device"): "a doctor check",
-    ("loader_search/study/_pipeline.py", "device"): "a bottleneck",
+    ("loader_search/study/search/_pipeline.py", "device"): "a bottleneck",
 }
 
 
 # Stored values with keys of their own: the module that owns each shape, and the classes whose
 # `as_dict` writes it.
 NESTED = {
-    "loader_search/study/_pipeline.py": (
+    "loader_search/study/search/_pipeline.py": (
         "PipelineSnapshot",
         "PipelineModel",
         "BatchLimit",
@@ -37,8 +37,8 @@ NESTED = {
 # The same word read with another meaning: (file, key) -> what it names.
 NESTED_OTHER_MEANINGS = {
     ("loader_search/_snippets.py", "ranks"): "the training step's ranks",
-    ("loader_search/study/_recommend.py", "ranks"): "the training step's ranks",
-    ("loader_search/study/_config.py", "ranks"): "the [training] key",
+    ("loader_search/study/stats/_recommend.py", "ranks"): "the training step's ranks",
+    ("loader_search/study/config/_config.py", "ranks"): "the [training] key",
 }
 
 

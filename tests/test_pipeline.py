@@ -1,5 +1,5 @@
-"""The pipeline model (`loader_search.study._pipeline`) on hand-made numbers whose answers can
-be worked out by hand, a round trip through `fit`, and its cost per call."""
+"""The pipeline model (`loader_search.study.search._pipeline`) on hand-made numbers whose answers
+can be worked out by hand, a round trip through `fit`, and its cost per call."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from loader_search.params import LoaderParams
-from loader_search.study._pipeline import (
+from loader_search.study.search._pipeline import (
     SNAPSHOT_FORMAT,
     BatchLimit,
     Lift,
@@ -17,7 +17,7 @@ from loader_search.study._pipeline import (
     PipelineSnapshot,
     fit,
 )
-from loader_search.study._space import CpuRange, IntRange, SearchSpace
+from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
 
 # Per-sample CPU demands in round numbers: fetching 100 us, collating 10 us in a worker and
 # 2 us in place, receiving 10 us from a worker and copying 2 us in place.

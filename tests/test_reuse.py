@@ -14,8 +14,6 @@ from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._config import SamplerConfig, StudyConfig
-from loader_search.study._confirm import _disturbed
 from loader_search.study._events import NullReporter
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -29,12 +27,14 @@ from loader_search.study._keys import (
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
 )
-from loader_search.study._machine import Machine
-from loader_search.study._plan import trusted_ceiling
 from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
 from loader_search.study._session import create_session, run_study
-from loader_search.study._space import CpuRange, IntRange, SearchSpace
-from loader_search.study._worker import count_finished, fresh_recipe
+from loader_search.study.config._config import SamplerConfig, StudyConfig
+from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+from loader_search.study.stats._confirm import _disturbed
+from loader_search.study.work._machine import Machine
+from loader_search.study.work._plan import trusted_ceiling
+from loader_search.study.work._worker import count_finished, fresh_recipe
 from loader_search.trial import WorkloadRecipe
 from loader_search.workloads import Workload
 
@@ -92,7 +92,7 @@ def test_later_trials_of_a_batch_size_stop_early_with_its_known_val_loss(
     assert early >= 1
     # Every trial reports its loader efficiency; the ceiling is measured by the first trial
     # of each batch size and thread count (threads are fixed here), then reused while a
-    # reading can be trusted (see loader_search.study._plan); a trial reads it again only
+    # reading can be trusted (see loader_search.study.work._plan); a trial reads it again only
     # when no earlier reading of its pair could be.
     assert all(t.user_attrs[LOADER_EFFICIENCY_ATTR] > 0 for t in trials)
     for group in by_batch.values():

@@ -12,10 +12,10 @@ from optuna.trial import TrialState
 
 from loader_search.errors import StudyAborted, UserError
 from loader_search.params import TrainingSettings
-from loader_search.study._config import SamplerConfig, StudyConfig
 from loader_search.study._open import make_sampler
 from loader_search.study._session import check_budget, run_study
-from loader_search.study._space import CpuRange, IntRange, SearchSpace
+from loader_search.study.config._config import SamplerConfig, StudyConfig
+from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload
 
@@ -164,7 +164,7 @@ def test_a_study_is_bound_to_its_hardware(
 ) -> None:
     run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=1)
     # The same study continued on a machine with other usable CPUs.
-    monkeypatch.setattr("loader_search.study._machine.usable_cpus", lambda: 64)
+    monkeypatch.setattr("loader_search.study.work._machine.usable_cpus", lambda: 64)
     with pytest.raises(UserError, match=r"measures hardware class cpu-\d+c-\w+, but this"):
         run_study(CONFIG, workload=tiny_workload, storage=sqlite_url, n_trials=2)
 

@@ -5,7 +5,7 @@ import pytest
 
 from loader_search._system import usable_cpus
 from loader_search.params import LoaderParams
-from loader_search.study._space import (
+from loader_search.study.search._space import (
     CpuRange,
     IntRange,
     SearchSpace,

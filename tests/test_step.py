@@ -371,9 +371,9 @@ def test_a_custom_step_that_does_not_fit_is_retried_as_micro_batches(tmp_path: P
     import optuna
 
     from loader_search import SearchSpace, StudyConfig, run_study
-    from loader_search.study._config import SamplerConfig
     from loader_search.study._keys import stored_params
-    from loader_search.study._space import CpuRange
+    from loader_search.study.config._config import SamplerConfig
+    from loader_search.study.search._space import CpuRange
 
     # Batch 256 holds about 384 MiB of activations, 128 about 192: 300 MiB of headroom fits
     # 128 with room to spare and not 256 (400 was too close to 256 to fail every time).

@@ -1,4 +1,4 @@
-"""A worker's writes to its trials (`loader_search.study._trials`) and its two connections,
+"""A worker's writes to its trials (`loader_search.study.work._trials`) and its two connections,
 on real SQLite, PostgreSQL and MariaDB studies."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sqlalchemy
 
 from loader_search.params import WorkersSettings
 from loader_search.study._keys import DIRECTIONS
-from loader_search.study._trials import write_user_attrs
+from loader_search.study.work._trials import write_user_attrs
 from loader_search.team._locks import study_lock
 from loader_search.team._storage import open_storage
 from tests.conftest import MARIADB_URL, POSTGRES_URL, scratch_database

@@ -9,8 +9,6 @@ import optuna
 from optuna.trial import TrialState
 
 from loader_search.params import WorkersSettings
-from loader_search.study._budget import count_used, uses_budget
-from loader_search.study._heartbeats import Health, RetryStaleTrial, fail_stale_trials
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRMATION_ATTR,
@@ -18,6 +16,8 @@ from loader_search.study._keys import (
     DIRECTIONS,
     FAILURE_REASON,
 )
+from loader_search.study.work._budget import count_used, uses_budget
+from loader_search.study.work._heartbeats import Health, RetryStaleTrial, fail_stale_trials
 from loader_search.team._storage import open_storage
 
 GRACE_S = 2

@@ -2,7 +2,7 @@
 
 `diagnose` gives one `Check` per dependency with a verdict (ok / warn / fail), what was found
 and how to fix it; ``loader-search doctor`` prints them. The shared-memory check reports what
-`loader_search.study._fit.fit_space` does to the space before every study: a setting whose
+`loader_search.study.search._fit.fit_space` does to the space before every study: a setting whose
 batches cannot fit in ``/dev/shm`` fails every trial with a bus error.
 
 Nothing here initialises CUDA in this process (trials are forked from it, and a process that
@@ -31,19 +31,19 @@ from loader_search._system import (
     usable_cpus,
 )
 from loader_search.errors import UserError
-from loader_search.study._fit import (
+from loader_search.study.search._fit import (
     SHM_FIX,
     fit_space,
     largest_footprint,
     sample_bytes,
 )
-from loader_search.study._fit import (
+from loader_search.study.search._fit import (
     size_text as _size,
 )
 from loader_search.trial import can_isolate, resolve_ranks
 
 if TYPE_CHECKING:
-    from loader_search.study._config import StudyConfig
+    from loader_search.study.config._config import StudyConfig
     from loader_search.workloads import Workload
 
 Verdict = Literal["ok", "warn", "fail"]

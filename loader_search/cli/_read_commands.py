@@ -24,7 +24,7 @@ from loader_search.errors import UserError
 from loader_search.team._masking import mask_url
 
 if TYPE_CHECKING:
-    from loader_search.study._recommend import Recommendation
+    from loader_search.study.stats._recommend import Recommendation
 
 
 @reports_errors
@@ -36,7 +36,7 @@ def best(
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
     from loader_search.study._open import open_existing_study
-    from loader_search.study._recommend import summaries
+    from loader_search.study.stats._recommend import summaries
 
     existing = open_existing_study(study, storage, loss_tolerance=loss_tolerance)
     print_summaries(summaries(existing.study, existing.loss_tolerance), as_json=as_json)
@@ -166,9 +166,9 @@ def studies(storage: StorageOption = None) -> None:
     import optuna
     from optuna.trial import TrialState
 
-    from loader_search.study._config import StudyConfig
     from loader_search.study._keys import BUDGET_ATTR, DIRECTIONS, study_budget, study_tolerance
-    from loader_search.study._recommend import hardware_classes, summarize
+    from loader_search.study.config._config import StudyConfig
+    from loader_search.study.stats._recommend import hardware_classes, summarize
     from loader_search.team._storage import open_storage, resolve_storage_url
 
     url = resolve_storage_url(storage)

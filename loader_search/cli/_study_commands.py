@@ -65,7 +65,7 @@ def run(
     settings reach it as the placeholders' values, and those without a placeholder are put
     into its training DataLoader (docs/scripts.md).
     """
-    from loader_search.study._config import command_config, load_config
+    from loader_search.study.config._config import command_config, load_config
     from loader_search.team._storage import check_shared, resolve_storage_url
 
     if len(target) == 1 and target[0].endswith(".toml"):
@@ -101,7 +101,7 @@ def init(
 
     Safe to repeat: an existing study is continued (its budget updated with --n-trials).
     """
-    from loader_search.study._config import load_config
+    from loader_search.study.config._config import load_config
     from loader_search.team._storage import check_shared, resolve_storage_url
 
     cfg = load_config(config).with_overrides(name=study_name)

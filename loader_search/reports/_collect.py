@@ -63,7 +63,7 @@ from loader_search.study._keys import (
     VAL_LOSS,
 )
 from loader_search.study._points import is_feasible, pareto_front, points_of, trial_points
-from loader_search.study._recommend import hypervolume_2d, summarize
+from loader_search.study.stats._recommend import hypervolume_2d, summarize
 
 
 def collect(

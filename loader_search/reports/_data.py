@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from loader_search.params import LoaderParams
 from loader_search.study._points import TrialPoint
-from loader_search.study._recommend import StudySummary
+from loader_search.study.stats._recommend import StudySummary
 
 # data_wait_fraction above this: the loader, not the model, set the pace of the trial.
 INPUT_BOUND_THRESHOLD = 0.1
@@ -41,7 +41,7 @@ class ReportTrial:
     val_loss: float | None
     data_wait_fraction: float | None
     bound: Bound | None
-    loader_efficiency: float | None  # throughput / ceiling (see loader_search.study._plan)
+    loader_efficiency: float | None  # throughput / ceiling (see loader_search.study.work._plan)
     peak_host_rss_bytes: int | None
     peak_gpu_bytes: int | None
     duration_s: float | None  # wall time from the trial's start to its end

@@ -352,7 +352,7 @@ ABOVE_CEILING = (
 
 def efficiency_figure(data: ReportData) -> go.Figure:
     """Loader efficiency per trial; a bar above the ceiling is drawn in the failure colour,
-    with why in its hover text (see loader_search.study._plan)."""
+    with why in its hover text (see loader_search.study.work._plan)."""
     rows = [t for t in data.trials if t.loader_efficiency is not None]
     fig = go.Figure(
         go.Bar(

@@ -1,24 +1,16 @@
-"""What the study layer hands to its callers: the session a worker runs, the study it opened,
-and the progress it reports (`Reporter`: the CLI draws it; the Python API prints it as plain
-lines, `LineReporter`, unless asked to be quiet)."""
+"""What the study layer tells its callers while it works: the study it opened (`StudyInfo`)
+and the progress of its trials (`Reporter`: the CLI draws it; the Python API prints it as
+plain lines, `LineReporter`, unless asked to be quiet). The session a worker runs is
+`loader_search.study.work._session_state.Session`."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, TextIO
-
-import optuna
-import torch
 
 from loader_search.errors import printable
 from loader_search.params import LoaderParams
-from loader_search.study._config import StudyConfig
-from loader_search.study._space import ResolvedSpace
-from loader_search.team._hardware import Hardware
-from loader_search.trial import FreshHost, WorkloadRecipe
-from loader_search.workloads import Workload
 
 # How a trial ended, as progress reports it ("infeasible": it completed, out of memory or
 # diverged, and the sampler learns to avoid its region).
@@ -170,30 +162,3 @@ class StudyInfo:
     workload: str
     usable_cpus: int
     notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Session:
-    """Everything one worker process needs to run trials of one study."""
-
-    study: optuna.Study
-    config: StudyConfig
-    workload: Workload | None  # None: the study's workload is a command (config.command)
-    # How a fresh process builds the workload; None: the caller's, built in memory.
-    recipe: WorkloadRecipe | None
-    space: ResolvedSpace
-    device: torch.device
-    hardware: Hardware
-    budget: int  # as the study stored it when this worker started; re-read before each trial
-    # The storage the study was opened with (`loader_search.team._storage.open_storage`): its
-    # engine carries the study lock, and its id the lock's key. Public routes, where the
-    # study's own storage is Optuna's private cache around it.
-    rdb: optuna.storages.RDBStorage
-    study_id: int
-    cpus: Sequence[int] | None = None
-    gpu: int | None = None
-    allow_mixed_hardware: bool = False
-    # The fresh process the confirmation trials train in (``study.confirm_process =
-    # "fresh"``), started with the session so that it builds beside the worker's start-up
-    # (`loader_search.study._session`); the worker keeps it between those trials.
-    fresh: FreshHost = field(default_factory=FreshHost)

@@ -88,7 +88,7 @@ WINDOW_FAULTS = "window_minor_faults"  # the training process's page faults in t
 PRODUCER_COST = "producer_cpu_s_per_sample"
 COLLATE_COST = "collate_cpu_s_per_batch"
 MAIN_COST = "main_cpu_s_per_batch"
-# The pipeline model (`loader_search.study._guide`): what it predicted for a trial before it
+# The pipeline model (`loader_search.study.search._guide`): what it predicted for a trial before it
 # ran, how far off that was, and which round of model trials proposed it (none: the sampler).
 PREDICTED_ATTR = "predicted_samples_per_s"
 PREDICTED_BOTTLENECK_ATTR = "predicted_bottleneck"
@@ -99,7 +99,7 @@ FAILURE_MESSAGE = "failure_message"
 FAILURE_HINT = "failure_hint"
 FAILURE_TRACEBACK = "failure_traceback"
 INFERRED_FROM = "inferred_from"  # the trial an inferred out-of-memory verdict comes from
-# Gradient accumulation (see loader_search.study._record.fit_in_memory):
+# Gradient accumulation (see loader_search.study.work._record.fit_in_memory):
 MICRO_BATCH_ATTR = "micro_batch_size"  # the DataLoader's batch size
 ACCUMULATION_ATTR = "accumulation_steps"  # micro-batches per optimizer step
 ACCUMULATION_FROM = "accumulation_from"  # the trial whose out-of-memory made it accumulate

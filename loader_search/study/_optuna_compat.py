@@ -11,7 +11,7 @@ that moves one fails there, by name, instead of deep inside a study.
 - ``Trial._cached_frozen_trial``: the copy of the stored trial that ``trial.user_attrs``
   reads, updated after attributes are written behind Optuna's back.
 - ``optuna.storages._rdb``: the attribute model and the scoped session, to write many user
-  attributes in one transaction (`loader_search.study._trials`). Public fallback:
+  attributes in one transaction (`loader_search.study.work._trials`). Public fallback:
   ``trial.set_user_attr`` one by one.
 - ``optuna.study._frozen.FrozenStudy``: the type ``get_all_studies`` returns (the dashboard's
   storage wrapper, `loader_search.reports._dashboard`).

@@ -22,24 +22,25 @@ from loader_search._rules import RANGES
 from loader_search._system import usable_cpus
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._command_config import check_command_allowed
-from loader_search.study._config import StudyConfig
-from loader_search.study._events import LineReporter, NullReporter, Reporter, Session, StudyInfo
-from loader_search.study._heartbeats import RetryStaleTrial
+from loader_search.study._events import LineReporter, NullReporter, Reporter, StudyInfo
 from loader_search.study._keys import study_budget, study_tolerance
-from loader_search.study._machine import Machine, check_hardware, fit_to_machine, this_machine
 from loader_search.study._note import write_note
 from loader_search.study._open import make_sampler, open_existing_study, open_study, seed_offset_of
-from loader_search.study._recommend import StudySummary, hardware_classes, summarize
-from loader_search.study._space import ResolvedSpace
-from loader_search.study._stored import (
+from loader_search.study.config._command_config import check_command_allowed
+from loader_search.study.config._config import StudyConfig
+from loader_search.study.config._stored import (
     describe,
     fingerprint,
     settle_budget,
     store_settings,
     stored_config,
 )
-from loader_search.study._worker import count_finished, work
+from loader_search.study.search._space import ResolvedSpace
+from loader_search.study.stats._recommend import StudySummary, hardware_classes, summarize
+from loader_search.study.work._heartbeats import RetryStaleTrial
+from loader_search.study.work._machine import Machine, check_hardware, fit_to_machine, this_machine
+from loader_search.study.work._session_state import Session
+from loader_search.study.work._worker import count_finished, work
 from loader_search.team._hardware import Hardware
 from loader_search.team._locks import study_lock
 from loader_search.team._masking import mask_url
@@ -388,7 +389,7 @@ def _fresh_host(
     config: StudyConfig, workload: Workload | None, here: tuple[torch.device, Hardware] | None
 ) -> FreshHost:
     """The fresh process this worker's confirmation trials will train in (``study.
-    confirm_process = "fresh"``, `loader_search.study._worker`), started now: its imports and
+    confirm_process = "fresh"``, `loader_search.study.work._worker`), started now: its imports and
     its build run beside this worker's own, instead of in the first confirmation trial
     (`FreshHost.prepare`; `work` waits for it before the first trial). It only idles in a
     worker that never confirms. Not started where no trial runs here (`init`), for a

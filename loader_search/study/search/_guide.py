@@ -1,5 +1,5 @@
-"""Model-guided search: the pipeline model (`loader_search.study._pipeline`) read from a study's
-trials, the settings it asks to measure, and what it says about the answer.
+"""Model-guided search: the pipeline model (`loader_search.study.search._pipeline`) read from a
+study's trials, the settings it asks to measure, and what it says about the answer.
 
 Optuna stays the engine. After the baseline, the model's predicted optimum of each batch size
 is queued as ordinary trials (``enqueue_trial``), fastest predicted first (round 1). Once they
@@ -39,7 +39,8 @@ from loader_search.study._keys import (
     stored_params,
     trial_hardware_class,
 )
-from loader_search.study._pipeline import (
+from loader_search.study._points import TrialPoint, is_feasible, points_of, tolerance_limit
+from loader_search.study.search._pipeline import (
     BatchLimit,
     Lift,
     LimitSource,
@@ -49,8 +50,7 @@ from loader_search.study._pipeline import (
     Prediction,
     fit,
 )
-from loader_search.study._points import TrialPoint, is_feasible, points_of, tolerance_limit
-from loader_search.study._space import IntRange, ResolvedSpace
+from loader_search.study.search._space import IntRange, ResolvedSpace
 
 ROUNDS = 3  # the model's optima, the unsure batch sizes again, the leader's prefetch neighbours
 UNSURE_ERROR = 0.10  # a round-1 trial this far off its prediction: its batch size is unsure

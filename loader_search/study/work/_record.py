@@ -43,8 +43,8 @@ from loader_search.study._keys import (
     stored_params,
 )
 from loader_search.study._optuna_compat import study_storage, trial_id
-from loader_search.study._plan import Reuse
-from loader_search.study._trials import write_user_attrs
+from loader_search.study.work._plan import Reuse
+from loader_search.study.work._trials import write_user_attrs
 from loader_search.team._db_errors import retrying
 from loader_search.trial import INTERRUPTED, TrialFailure, TrialOutcome
 
@@ -166,8 +166,9 @@ def record(
 ) -> Recorded:
     """Store ``outcome`` on ``trial`` and finish it. Every write is retried while the
     database is unreachable, so a result measured during a database restart is kept.
-    ``reuse`` supplies what the trial did not measure itself (see `loader_search.study._plan`): the
-    validation loss of a trial that stopped early, and the ceiling for its loader efficiency.
+    ``reuse`` supplies what the trial did not measure itself (see
+    `loader_search.study.work._plan`): the validation loss of a trial that stopped early, and
+    the ceiling for its loader efficiency.
 
     Should a sweeper have failed the trial meanwhile (an outage longer than the grace
     period, so its heartbeats stopped), the result cannot be stored: the trial's retry
@@ -220,7 +221,7 @@ def _record(
             attrs[LOADER_EFFICIENCY_ATTR] = efficiency
         predicted = trial.user_attrs.get(PREDICTED_ATTR)
         if isinstance(predicted, float) and predicted > 0 and failure is None:
-            # How far the pipeline model was off (see loader_search.study._guide).
+            # How far the pipeline model was off (see loader_search.study.search._guide).
             attrs[PREDICTION_ERROR_ATTR] = result.throughput_samples_per_s / predicted - 1
     attrs["trial_wall_time_s"] = outcome.wall_s
     if outcome.isolated and outcome.wall_s > 0:

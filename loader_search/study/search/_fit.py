@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from loader_search.params import LoaderParams
-from loader_search.study._space import IntRange, ResolvedSpace
+from loader_search.study.search._space import IntRange, ResolvedSpace
 
 if TYPE_CHECKING:
     from loader_search.workloads import Workload

@@ -34,7 +34,7 @@ from statistics import median
 from typing import Any, Literal
 
 from loader_search.params import LoaderParams
-from loader_search.study._space import IntRange, ResolvedSpace, default_torch_threads
+from loader_search.study.search._space import IntRange, ResolvedSpace, default_torch_threads
 
 Bottleneck = Literal["device", "loader_workers", "main_process", "cpus"]
 # "cpus": on a machine without an accelerator, where "device" would be named: the training
@@ -103,7 +103,7 @@ class Prediction:
 @dataclass(frozen=True)
 class Lift:
     """What would lift a batch size's limit, as the model predicts it
-    (`loader_search.study._guide.lifts`): the lever, in words, the limit it would give, and
+    (`loader_search.study.search._guide.lifts`): the lever, in words, the limit it would give, and
     its gain over the limit now."""
 
     lever: str  # more_cpus, cache_decoded, cheaper_transforms, gpu_decode or batch_size

@@ -8,7 +8,7 @@ A C B, C B A, ...), one trial at a time per hardware class, so that a slow spell
 machine, or a neighbour's load, hits every setting of a round alike. A candidate's speedup is
 estimated from its per-round ratios against the baseline: the geometric mean, with a 95%
 Student-t interval on the log ratios (the paired t-interval: the rounds are the pairs, and a
-ratio of throughputs is closer to log-normal than to normal; `loader_search.study._paired`
+ratio of throughputs is closer to log-normal than to normal; `loader_search.study.stats._paired`
 holds the statistics: how blocks of rounds widen the interval when the machine's state
 moves, and how it counts the rounds' moment against a long run).
 
@@ -69,19 +69,19 @@ from loader_search.study._keys import (
     stored_params,
     trial_hardware_class,
 )
-from loader_search.study._paired import (
+from loader_search.study._points import is_feasible, points_of, tolerance_limit
+from loader_search.study.stats._paired import (
     FASTER,
     BlockTest,
     PairedSpeedup,
     chance_of_gain,
     paired_speedup,
 )
-from loader_search.study._points import is_feasible, points_of, tolerance_limit
 from loader_search.trial import INTERRUPTED
 
 MAX_FAILURES = 2  # a setting whose re-measurement failed this often leaves the rounds
 # A reading beside a neighbour that kept this share of the trial's CPUs busy is measured again
-# (the ceiling's threshold too: loader_search.study._plan.BUSY_LIMIT), at most this often.
+# (the ceiling's threshold too: loader_search.study.work._plan.BUSY_LIMIT), at most this often.
 DISTURBED_LOAD = 0.25
 MAX_DISTURBED = 2
 

@@ -6,14 +6,14 @@ Many workers on many machines share one study and one trial budget. What keeps t
   next one (a queued retry first, else a new trial) happen under the study lock
   (`loader_search.team._locks.study_lock`), so N workers never run more than the budget, and on
   SQLite two processes never take the same queued trial. What to do next is decided by
-  `loader_search.study._budget.decide`, on the trials read under the lock. Nothing else
+  `loader_search.study.work._budget.decide`, on the trials read under the lock. Nothing else
   happens under it: sampling the new trial's settings and storing them come after
-  (`loader_search.study._take`).
+  (`loader_search.study.work._take`).
 * **Heartbeats.** While a trial trains, a thread writes its heartbeat; a sweeper thread
-  fails and queues again the trials whose worker died (`loader_search.study._heartbeats`).
+  fails and queues again the trials whose worker died (`loader_search.study.work._heartbeats`).
   Our own threads are used instead of ``study.optimize``'s so that a database restart does
   not kill the heartbeat, and so that results can be written with retries
-  (`loader_search.study._record.record`).
+  (`loader_search.study.work._record.record`).
 * **One trial per host at a time** (`loader_search.team._locks.host_lock`), unless each worker is
   pinned to its own CPUs and GPU.
 * **Where a trial trains.** A search trial is a child forked from this worker (no imports,
@@ -41,9 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from loader_search import interrupts
 from loader_search.errors import StudyAborted
 from loader_search.params import LoaderParams
-from loader_search.study._budget import FINISHED_STATES, Done, Wait, count_used
-from loader_search.study._events import EventState, Reporter, Session, TrialEvent
-from loader_search.study._heartbeats import Every, Health
+from loader_search.study._events import EventState, Reporter, TrialEvent
 from loader_search.study._keys import (
     ACCUMULATION_ATTR,
     ACCUMULATION_FROM,
@@ -57,9 +55,11 @@ from loader_search.study._keys import (
     TRIAL_PROCESS_ATTR,
 )
 from loader_search.study._optuna_compat import trial_id
-from loader_search.study._plan import Reuse, plan_trial
 from loader_search.study._points import is_feasible, pareto_front, trial_points
-from loader_search.study._record import (
+from loader_search.study.work._budget import FINISHED_STATES, Done, Wait, count_used
+from loader_search.study.work._heartbeats import Every, Health
+from loader_search.study.work._plan import Reuse, plan_trial
+from loader_search.study.work._record import (
     Recorded,
     fewer_samples_per_step,
     fit_in_memory,
@@ -68,8 +68,9 @@ from loader_search.study._record import (
     record,
     record_interrupted,
 )
-from loader_search.study._take import Patience, Refused, Worker, look_ahead, sweep, take_trial
-from loader_search.study._timings import Clock
+from loader_search.study.work._session_state import Session
+from loader_search.study.work._take import Patience, Refused, Worker, look_ahead, sweep, take_trial
+from loader_search.study.work._timings import Clock
 from loader_search.team._locks import host_lock
 from loader_search.trial import TrialFailure, TrialJob, TrialOutcome, WorkloadRecipe, run_isolated
 

@@ -14,7 +14,6 @@ import optuna
 from loader_search._version import __version__
 from loader_search.errors import UserError
 from loader_search.params import STEP_KEYS, TrainingSettings
-from loader_search.study._config import StudyConfig, parse_config
 from loader_search.study._keys import (
     BUDGET_ATTR,
     CONFIG_ATTR,
@@ -29,13 +28,14 @@ from loader_search.study._keys import (
     WORKLOAD_DESCRIPTION_ATTR,
     study_budget,
 )
+from loader_search.study.config._config import StudyConfig, parse_config
 from loader_search.workloads import Workload
 
 
 def fingerprint(config: StudyConfig, workload: Workload | None, spec: str) -> dict[str, Any]:
     """What a continued study must share with the one that created it: validation loss
     under other training settings would not compare. (Hardware is checked apart, per trial:
-    see `loader_search.study._machine.check_hardware`.)"""
+    see `loader_search.study.work._machine.check_hardware`.)"""
     return {
         # How throughput is measured: warm-up to the early-stop mark (loader_search.trial._run).
         # Studies that earlier versions measured over the whole run do not compare.

@@ -14,7 +14,7 @@ noise), never narrower than the paired t-interval; where the blocks disagree bey
 noise (the one-way analysis of variance's F test at 95%: the noise within the blocks is
 estimated from the rounds themselves) the blocks, not the rounds, count as the
 independent units (Student's t with blocks - 1 degrees of freedom), the speedup carries
-``blocks_disagree``, the rounds go on (more blocks, `loader_search.study._confirm`), and
+``blocks_disagree``, the rounds go on (more blocks, `loader_search.study.stats._confirm`), and
 every view says so.
 
 **A later run.** The rounds take a minute or two; the training a user runs with the
@@ -32,7 +32,7 @@ benchmarks' claims read a mean 4.0% high against a plain loop over 40 studies wi
 fresh-process confirmation, the runner's speedup itself 3.5% beside it; docs/how-it-works.md,
 "Known bias"), and a machine far quieter or busier than it was during the whole study.
 
-Pure functions of the ratios; `loader_search.study._confirm` runs the rounds.
+Pure functions of the ratios; `loader_search.study.stats._confirm` runs the rounds.
 """
 
 from __future__ import annotations

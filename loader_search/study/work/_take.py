@@ -2,7 +2,7 @@
 
 Under the study lock (`loader_search.team._locks.study_lock`), only what must be one step for
 the whole team: sweep stale trials, read the trials, bind or check the hardware class, decide on
-the budget (`loader_search.study._budget.decide`), queue what the decision asks for (a
+the budget (`loader_search.study.work._budget.decide`), queue what the decision asks for (a
 baseline, a confirmation round, the pipeline model's proposals), and create (or pop) the trial,
 which then counts against the budget. Sampling its settings and storing what it will run come
 after the lock. A worker first looks ahead without any lock (`look_ahead`), so that it never
@@ -25,18 +25,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._budget import (
-    Confirm,
-    Decision,
-    Done,
-    Take,
-    Wait,
-    confirm_settings,
-    decide,
-)
-from loader_search.study._events import Reporter, Session
-from loader_search.study._guide import Guide, Proposal
-from loader_search.study._heartbeats import Health, beating, fail_stale_trials
+from loader_search.study._events import Reporter
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
@@ -59,13 +48,25 @@ from loader_search.study._keys import (
     WORKER_ATTR,
     study_budget,
 )
-from loader_search.study._machine import hardware_mismatch
 from loader_search.study._optuna_compat import trial_id
-from loader_search.study._pipeline import PipelineModel, PipelineSnapshot
-from loader_search.study._record import record_interrupted
-from loader_search.study._space import ResolvedSpace
-from loader_search.study._timings import Clock
-from loader_search.study._trials import write_user_attrs
+from loader_search.study.search._guide import Guide, Proposal
+from loader_search.study.search._pipeline import PipelineModel, PipelineSnapshot
+from loader_search.study.search._space import ResolvedSpace
+from loader_search.study.work._budget import (
+    Confirm,
+    Decision,
+    Done,
+    Take,
+    Wait,
+    confirm_settings,
+    decide,
+)
+from loader_search.study.work._heartbeats import Health, beating, fail_stale_trials
+from loader_search.study.work._machine import hardware_mismatch
+from loader_search.study.work._record import record_interrupted
+from loader_search.study.work._session_state import Session
+from loader_search.study.work._timings import Clock
+from loader_search.study.work._trials import write_user_attrs
 from loader_search.team._db_errors import outage, retrying
 from loader_search.team._locks import study_lock
 from loader_search.trial import FreshHost, resolve_ranks
@@ -97,7 +98,7 @@ class Worker:
 
     def beating(self, trial: optuna.Trial, call: Callable[[], T]) -> T:
         """``call`` for the taken ``trial`` before its heartbeat thread runs
-        (`loader_search.study._heartbeats.beating`)."""
+        (`loader_search.study.work._heartbeats.beating`)."""
         return beating(
             self.session.rdb,
             trial_id(trial),
@@ -120,7 +121,8 @@ def take_trial(
 
     Under the study lock only what must be one step for the whole team: sweep stale trials,
     read the trials, check the hardware binding, decide on the budget (as stored now: `init`
-    or `run --n-trials` elsewhere may have changed it; see `loader_search.study._budget.decide`),
+    or `run --n-trials` elsewhere may have changed it; see
+    `loader_search.study.work._budget.decide`),
     queue what the decision asks for, and create (or pop) the trial, which then counts
     against the budget. Its first heartbeat is written at once: a RUNNING trial with no
     heartbeat would never be found stale. Sampling its settings and storing what it will

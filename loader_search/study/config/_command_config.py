@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loader_search.errors import ConfigError, UserError, shorten
-from loader_search.study._toml import Table
+from loader_search.study.config._toml import Table
 from loader_search.trial import CommandSpec, placeholders_in
 
 COMMAND_WORKLOAD = "command"  # StudyConfig.workload of a study whose workload is a command

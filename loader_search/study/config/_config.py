@@ -33,14 +33,14 @@ from loader_search.params import (
     TrialLimits,
     WorkersSettings,
 )
-from loader_search.study._command_config import (
+from loader_search.study.config._command_config import (
     COMMAND_WORKLOAD,
     CommandConfig,
     parse_command,
 )
-from loader_search.study._config_space import parse_space
-from loader_search.study._space import SearchSpace
-from loader_search.study._toml import Table, is_plain, nesting_depth
+from loader_search.study.config._config_space import parse_space
+from loader_search.study.config._toml import Table, is_plain, nesting_depth
+from loader_search.study.search._space import SearchSpace
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,8 +66,9 @@ class SamplerConfig:
     multivariate: bool | None = None  # tpe
     n_startup_trials: int | None = None  # tpe
     population_size: int | None = None  # nsga2
-    # The pipeline model picks the first trials after the baseline (loader_search.study._guide);
-    # false: the sampler alone, for comparison. The grid sampler measures everything anyway.
+    # The pipeline model picks the first trials after the baseline
+    # (loader_search.study.search._guide); false: the sampler alone, for comparison. The grid
+    # sampler measures everything anyway.
     model: bool = True
 
     def __post_init__(self) -> None:
@@ -105,7 +106,7 @@ class StudyConfig:
     seed: int = 0
     loss_tolerance: float = 0.05
     # Before recommending, confirm the fastest ``confirm_top`` candidates against the baseline
-    # in paired rounds (0 turns it off; see loader_search.study._confirm): at least
+    # in paired rounds (0 turns it off; see loader_search.study.stats._confirm): at least
     # ``confirm_min_rounds``, until the leader's 95% interval is within
     # ``confirm_half_width`` of its estimate, at most ``confirm_max_rounds``. One by default:
     # a race of two (its round left out of the claim) cost 1-3 trials for no better choice
@@ -129,7 +130,7 @@ class StudyConfig:
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     # ``[workload] command``: the user's own training script instead of a workload
-    # (`workload` is then "command"; loader_search.study._command_config).
+    # (`workload` is then "command"; loader_search.study.config._command_config).
     command: CommandConfig | None = None
     device: str = "auto"
     # Frozen dataclasses: sharing one default instance is safe.

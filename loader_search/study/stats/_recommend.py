@@ -8,7 +8,7 @@ The recommendation rule: "faster without making the model worse than what you ha
 validation loss is at most the baseline's plus ``loss_tolerance`` (relative; the best
 validation loss of the study stands in for a baseline that did not complete, or whose
 validation loss is not credible). Once the study has confirmed its candidates in paired
-rounds against the baseline (see `loader_search.study._confirm`), it is the confirmed
+rounds against the baseline (see `loader_search.study.stats._confirm`), it is the confirmed
 candidate with the highest paired speedup (one surely faster than the baseline before one
 that may not be), stated with its 95% interval and a verdict. Before that (a study still
 searching, or one run with confirmation off), it is the fastest Pareto-optimal point within
@@ -28,11 +28,11 @@ from optuna.trial import FrozenTrial
 
 from loader_search._snippets import dataloader_snippet, node_totals
 from loader_search.params import STEP_KEYS, LoaderParams, TrainingSettings
-from loader_search.study._confirm import paired_speedups
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
-from loader_search.study._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
-from loader_search.study._pipeline import Bottleneck, Lift, LimitSource, PipelineSnapshot
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
+from loader_search.study.search._pipeline import Bottleneck, Lift, LimitSource, PipelineSnapshot
+from loader_search.study.stats._confirm import paired_speedups
+from loader_search.study.stats._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
 from loader_search.trial import placeholder_values, render_command
 
 RecommendationVerdict = Literal["faster", "no_reliable_gain", "not_confirmed"]
@@ -48,9 +48,9 @@ VERDICTS: tuple[RecommendationVerdict, ...] = (
 
 @dataclass(frozen=True)
 class PipelineView:
-    """What the pipeline model says of the recommendation (see `loader_search.study._guide`):
-    the best its batch size can do on this machine, how close it comes, what bounds it and
-    what would lift the limit."""
+    """What the pipeline model says of the recommendation (see
+    `loader_search.study.search._guide`): the best its batch size can do on this machine, how
+    close it comes, what bounds it and what would lift the limit."""
 
     limit_samples_per_s: float
     limit_from: LimitSource  # "measurement" where a measured setting beat the model

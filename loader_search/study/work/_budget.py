@@ -3,7 +3,7 @@ given the study's trials, take the next search trial, wait for the ones running 
 queue the next confirmation trial of the candidates, or stop.
 
 Pure: the decision reads the trials it is given (states and attrs) and returns what to do;
-the caller reads the study and acts on it (`loader_search.study._take.take_trial`,
+the caller reads the study and acts on it (`loader_search.study.work._take.take_trial`,
 `benchmarks.replay`), so both follow one rule and it can be tested on hand-made trials.
 """
 
@@ -17,14 +17,6 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search._rules import RANGES
-from loader_search.study._config import StudyConfig
-from loader_search.study._confirm import (
-    ConfirmSettings,
-    Remeasure,
-    next_remeasure,
-    rounds_owner,
-)
-from loader_search.study._guide import Proposal
 from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ATTR,
@@ -35,6 +27,14 @@ from loader_search.study._keys import (
     stored_setting,
     stored_table,
     study_tolerance,
+)
+from loader_search.study.config._config import StudyConfig
+from loader_search.study.search._guide import Proposal
+from loader_search.study.stats._confirm import (
+    ConfirmSettings,
+    Remeasure,
+    next_remeasure,
+    rounds_owner,
 )
 from loader_search.trial import INTERRUPTED
 
@@ -140,7 +140,7 @@ def confirm_settings(
 class Take:
     """Take the next trial: a queued one first, else a new suggestion. With ``baseline``,
     queue the baseline first (it is missing), so that it is the one taken; with ``propose``,
-    queue the pipeline model's proposals first (see `loader_search.study._guide`)."""
+    queue the pipeline model's proposals first (see `loader_search.study.search._guide`)."""
 
     baseline: bool = False
     propose: tuple[Proposal, ...] = ()
@@ -193,7 +193,7 @@ def decide(
     a new trial is taken, the baseline first when there is none, then the model's
     ``proposals`` (as many as the budget has room for). Once the budget is used:
     wait while trials run, then run the confirmation rounds one trial at a time (on
-    ``hardware_class``'s trials; see `loader_search.study._confirm`), then stop.
+    ``hardware_class``'s trials; see `loader_search.study.stats._confirm`), then stop.
 
     The rounds run on one ``worker`` (named as trials store it, `WORKER_ATTR`), so that drift
     and neighbours' load hit every setting of a round alike: the one that ran the last

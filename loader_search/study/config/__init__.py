@@ -1,0 +1,83 @@
+"""The study's configuration: the config file (TOML) read and checked into a `StudyConfig`, its
+``[space]`` table, the user's own command as a workload (``[workload] command``), and what a
+study stores for the processes that join it (the fingerprint, the config document, the budget).
+
+Callers outside this folder import from ``loader_search.study.config``. Names load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # the config file
+    "StudyConfig": "loader_search.study.config._config",
+    "SamplerConfig": "loader_search.study.config._config",
+    "load_config": "loader_search.study.config._config",
+    "parse_config": "loader_search.study.config._config",
+    "command_config": "loader_search.study.config._config",
+    "CONFIRM_PROCESSES": "loader_search.study.config._config",
+    "SAMPLERS": "loader_search.study.config._config",
+    # a command as the workload
+    "CommandConfig": "loader_search.study.config._command_config",
+    "check_command_allowed": "loader_search.study.config._command_config",
+    "ALLOW_COMMANDS_ENV": "loader_search.study.config._command_config",
+    "COMMAND_WORKLOAD": "loader_search.study.config._command_config",
+    # what a study stores for those who join it
+    "fingerprint": "loader_search.study.config._stored",
+    "describe": "loader_search.study.config._stored",
+    "settle_budget": "loader_search.study.config._stored",
+    "store_settings": "loader_search.study.config._stored",
+    "stored_config": "loader_search.study.config._stored",
+}
+
+__all__ = [
+    "ALLOW_COMMANDS_ENV",
+    "COMMAND_WORKLOAD",
+    "CONFIRM_PROCESSES",
+    "SAMPLERS",
+    "CommandConfig",
+    "SamplerConfig",
+    "StudyConfig",
+    "check_command_allowed",
+    "command_config",
+    "describe",
+    "fingerprint",
+    "load_config",
+    "parse_config",
+    "settle_budget",
+    "store_settings",
+    "stored_config",
+]
+
+if TYPE_CHECKING:
+    from loader_search.study.config._command_config import (
+        ALLOW_COMMANDS_ENV,
+        COMMAND_WORKLOAD,
+        CommandConfig,
+        check_command_allowed,
+    )
+    from loader_search.study.config._config import (
+        CONFIRM_PROCESSES,
+        SAMPLERS,
+        SamplerConfig,
+        StudyConfig,
+        command_config,
+        load_config,
+        parse_config,
+    )
+    from loader_search.study.config._stored import (
+        describe,
+        fingerprint,
+        settle_budget,
+        store_settings,
+        stored_config,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loader_search.study.config' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

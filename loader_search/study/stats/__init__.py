@@ -1,0 +1,107 @@
+"""The statistics: paired speedups with their intervals, the confirmation rounds that measure
+the candidates against the baseline, and the recommendation drawn from a study's trials.
+Pure functions of the trials given, so every worker of a team agrees.
+
+Callers outside this folder import from ``loader_search.study.stats``. Names load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # a paired speedup
+    "PairedSpeedup": "loader_search.study.stats._paired",
+    "paired_speedup": "loader_search.study.stats._paired",
+    "chance_of_gain": "loader_search.study.stats._paired",
+    "FASTER": "loader_search.study.stats._paired",
+    "NO_RELIABLE_GAIN": "loader_search.study.stats._paired",
+    "Verdict": "loader_search.study.stats._paired",
+    # the confirmation rounds
+    "ConfirmSettings": "loader_search.study.stats._confirm",
+    "Rounds": "loader_search.study.stats._confirm",
+    "Remeasure": "loader_search.study.stats._confirm",
+    "next_remeasure": "loader_search.study.stats._confirm",
+    "rounds_of": "loader_search.study.stats._confirm",
+    "rounds_owner": "loader_search.study.stats._confirm",
+    "paired_speedups": "loader_search.study.stats._confirm",
+    # the recommendation
+    "StudySummary": "loader_search.study.stats._recommend",
+    "Recommendation": "loader_search.study.stats._recommend",
+    "PipelineView": "loader_search.study.stats._recommend",
+    "recommend": "loader_search.study.stats._recommend",
+    "summarize": "loader_search.study.stats._recommend",
+    "summaries": "loader_search.study.stats._recommend",
+    "summarize_trials": "loader_search.study.stats._recommend",
+    "hardware_classes": "loader_search.study.stats._recommend",
+    "hypervolume_2d": "loader_search.study.stats._recommend",
+    "NOT_CONFIRMED": "loader_search.study.stats._recommend",
+    "VERDICTS": "loader_search.study.stats._recommend",
+}
+
+__all__ = [
+    "FASTER",
+    "NOT_CONFIRMED",
+    "NO_RELIABLE_GAIN",
+    "VERDICTS",
+    "ConfirmSettings",
+    "PairedSpeedup",
+    "PipelineView",
+    "Recommendation",
+    "Remeasure",
+    "Rounds",
+    "StudySummary",
+    "Verdict",
+    "chance_of_gain",
+    "hardware_classes",
+    "hypervolume_2d",
+    "next_remeasure",
+    "paired_speedup",
+    "paired_speedups",
+    "recommend",
+    "rounds_of",
+    "rounds_owner",
+    "summaries",
+    "summarize",
+    "summarize_trials",
+]
+
+if TYPE_CHECKING:
+    from loader_search.study.stats._confirm import (
+        ConfirmSettings,
+        Remeasure,
+        Rounds,
+        next_remeasure,
+        paired_speedups,
+        rounds_of,
+        rounds_owner,
+    )
+    from loader_search.study.stats._paired import (
+        FASTER,
+        NO_RELIABLE_GAIN,
+        PairedSpeedup,
+        Verdict,
+        chance_of_gain,
+        paired_speedup,
+    )
+    from loader_search.study.stats._recommend import (
+        NOT_CONFIRMED,
+        VERDICTS,
+        PipelineView,
+        Recommendation,
+        StudySummary,
+        hardware_classes,
+        hypervolume_2d,
+        recommend,
+        summaries,
+        summarize,
+        summarize_trials,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loader_search.study.stats' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,111 @@
+"""The worker loop: the session a worker runs (`Session`), taking the next trial under the
+study lock and the budget decision behind it, planning a trial from the ones before it,
+running it, recording its outcome in Optuna, the heartbeats and sweeper that keep a team's
+trials honest, and this machine as a study sees it (pinning, hardware class).
+
+Callers outside this folder import from ``loader_search.study.work``. Names load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # the session and the loop
+    "Session": "loader_search.study.work._session_state",
+    "work": "loader_search.study.work._worker",
+    "count_finished": "loader_search.study.work._worker",
+    "fresh_recipe": "loader_search.study.work._worker",
+    # the budget decision, and taking a trial
+    "decide": "loader_search.study.work._budget",
+    "Decision": "loader_search.study.work._budget",
+    "Take": "loader_search.study.work._budget",
+    "Wait": "loader_search.study.work._budget",
+    "Confirm": "loader_search.study.work._budget",
+    "Done": "loader_search.study.work._budget",
+    "count_used": "loader_search.study.work._budget",
+    "uses_budget": "loader_search.study.work._budget",
+    "confirm_settings": "loader_search.study.work._budget",
+    "FINISHED_STATES": "loader_search.study.work._budget",
+    "queue_decision": "loader_search.study.work._take",
+    # planning and recording a trial
+    "plan_trial": "loader_search.study.work._plan",
+    "Reuse": "loader_search.study.work._plan",
+    "record": "loader_search.study.work._record",
+    "write_user_attrs": "loader_search.study.work._trials",
+    # heartbeats
+    "RetryStaleTrial": "loader_search.study.work._heartbeats",
+    # this machine
+    "Machine": "loader_search.study.work._machine",
+    "this_machine": "loader_search.study.work._machine",
+    "check_hardware": "loader_search.study.work._machine",
+    "fit_to_machine": "loader_search.study.work._machine",
+    "hardware_mismatch": "loader_search.study.work._machine",
+    "TIMINGS_ENV": "loader_search.study.work._timings",
+}
+
+__all__ = [
+    "FINISHED_STATES",
+    "TIMINGS_ENV",
+    "Confirm",
+    "Decision",
+    "Done",
+    "Machine",
+    "RetryStaleTrial",
+    "Reuse",
+    "Session",
+    "Take",
+    "Wait",
+    "check_hardware",
+    "confirm_settings",
+    "count_finished",
+    "count_used",
+    "decide",
+    "fit_to_machine",
+    "fresh_recipe",
+    "hardware_mismatch",
+    "plan_trial",
+    "queue_decision",
+    "record",
+    "this_machine",
+    "uses_budget",
+    "work",
+    "write_user_attrs",
+]
+
+if TYPE_CHECKING:
+    from loader_search.study.work._budget import (
+        FINISHED_STATES,
+        Confirm,
+        Decision,
+        Done,
+        Take,
+        Wait,
+        confirm_settings,
+        count_used,
+        decide,
+        uses_budget,
+    )
+    from loader_search.study.work._heartbeats import RetryStaleTrial
+    from loader_search.study.work._machine import (
+        Machine,
+        check_hardware,
+        fit_to_machine,
+        hardware_mismatch,
+        this_machine,
+    )
+    from loader_search.study.work._plan import Reuse, plan_trial
+    from loader_search.study.work._record import record
+    from loader_search.study.work._session_state import Session
+    from loader_search.study.work._take import queue_decision
+    from loader_search.study.work._timings import TIMINGS_ENV
+    from loader_search.study.work._trials import write_user_attrs
+    from loader_search.study.work._worker import count_finished, fresh_recipe, work
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loader_search.study.work' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
