@@ -42,8 +42,8 @@ from benchmarks import reference
 from benchmarks._fresh import in_fresh_process
 from benchmarks.ground_truth import QUICKSTART, measure, measure_in_process, quick_config
 from loader_search.params import LoaderParams
-from loader_search.study.config._config import StudyConfig, load_config
-from loader_search.study.stats._paired import paired_speedup
+from loader_search.study import StudyConfig, load_config
+from loader_search.study.stats import paired_speedup
 from loader_search.trial import FreshHost
 from loader_search.workloads import load_workload
 
@@ -120,7 +120,7 @@ def run(
 def _become_a_worker(config: StudyConfig, seed: int, log: Any) -> None:
     """Run a study of ``config`` in this process (a temporary SQLite file), as a worker does
     before its confirmation trials: the runner's trials then fork from that state."""
-    from loader_search.study._session import run_study
+    from loader_search.study import run_study
 
     with tempfile.TemporaryDirectory(prefix="agreement-") as folder:
         storage = f"sqlite:///{Path(folder) / 'agreement.db'}"

@@ -16,8 +16,8 @@ from typing import Any
 from benchmarks.ground_truth import QUICKSTART, shuffled_rounds
 from loader_search._system import usable_cpus
 from loader_search.params import LoaderParams, RunPlan
-from loader_search.study.config._config import StudyConfig, load_config
-from loader_search.team._locks import host_lock
+from loader_search.study import StudyConfig, load_config
+from loader_search.team import host_lock
 from loader_search.trial import TrialJob, run_isolated
 from loader_search.workloads import load_workload
 

@@ -40,16 +40,18 @@ from optuna.trial import FrozenTrial
 from benchmarks import reference
 from benchmarks.ground_truth import QUICKSTART, measure, quick_config
 from loader_search.params import LoaderParams
-from loader_search.study._events import NullReporter, TrialEvent
-from loader_search.study._keys import (
+from loader_search.study import (
     MEASURED_SAMPLES,
     WINDOW_FAULTS,
+    NullReporter,
+    StudyConfig,
+    TrialEvent,
     is_confirmation,
+    load_config,
+    run_study,
     stored_params,
 )
-from loader_search.study._session import run_study
-from loader_search.study.config._config import StudyConfig, load_config
-from loader_search.study.stats._paired import paired_speedup
+from loader_search.study.stats import paired_speedup
 from loader_search.trial import FreshHost, WorkloadRecipe
 from loader_search.workloads import Workload, load_workload
 

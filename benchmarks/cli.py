@@ -35,8 +35,7 @@ from benchmarks import (
     stopping,
 )
 from loader_search._system import cpu_model, usable_cpus
-from loader_search.study._points import TrialPoint, pareto_front
-from loader_search.study.config._config import load_config
+from loader_search.study import TrialPoint, load_config, pareto_front
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from loader_search.params import LoaderParams, RunPlan
-from loader_search.study.config._config import StudyConfig, load_config
-from loader_search.study.search._space import IntRange, default_torch_threads
-from loader_search.team._locks import host_lock
+from loader_search.study import IntRange, StudyConfig, default_torch_threads, load_config
+from loader_search.team import host_lock
 from loader_search.trial import (
     FreshHost,
     TrialJob,

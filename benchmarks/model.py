@@ -16,8 +16,8 @@ from typing import Any
 from benchmarks.ground_truth import Entry, Space
 from benchmarks.replay import Truth, Variant, _Replay, resolved
 from loader_search.params import TrainingSettings
-from loader_search.study.config._config import SamplerConfig
-from loader_search.study.search._guide import Guide
+from loader_search.study import SamplerConfig
+from loader_search.study.search import Guide
 
 DEFAULT = Variant("model + tpe (default)", SamplerConfig())
 FIT_REPEATS = 50

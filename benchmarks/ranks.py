@@ -51,7 +51,7 @@ def _plain_rank(rank: int, store: str, params: dict[str, Any], out: Any) -> None
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from loader_search.study.config._config import load_config
+    from loader_search.study import load_config
     from loader_search.workloads import load_workload
 
     config = load_config(CONFIG)
@@ -141,7 +141,7 @@ def _samples(params: dict[str, Any]) -> int:
 
 def _runner(params: dict[str, Any], samples: int) -> float:
     from loader_search.params import LoaderParams
-    from loader_search.study.config._config import load_config
+    from loader_search.study import load_config
     from loader_search.trial import TrialJob, run_isolated
     from loader_search.workloads import load_workload
 
@@ -162,8 +162,7 @@ def _study(ranks: int, trials: int, folder: Path) -> dict[str, Any]:
     import optuna
 
     from loader_search import run_study
-    from loader_search.study.config._config import load_config
-    from loader_search.study.stats._recommend import summarize
+    from loader_search.study import load_config, summarize
 
     config = load_config(CONFIG)
     config = replace(

@@ -55,7 +55,7 @@ def train_and_time(
     import torch
     from torch.utils.data import DataLoader
 
-    from loader_search.study.config._config import load_config
+    from loader_search.study import load_config
     from loader_search.workloads import load_workload
 
     config = load_config(config_path)

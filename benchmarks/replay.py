@@ -44,7 +44,7 @@ from optuna.trial import FrozenTrial
 
 from benchmarks.ground_truth import Entry, Space
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._keys import (
+from loader_search.study import (
     BASELINE_ATTR,
     CEILING_ATTR,
     COLLATE_COST,
@@ -56,24 +56,27 @@ from loader_search.study._keys import (
     PRODUCER_COST,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
+    IntRange,
+    ResolvedSpace,
+    SamplerConfig,
+    StudyConfig,
+    hypervolume_2d,
+    make_sampler,
     stored_params,
+    summarize_trials,
 )
-from loader_search.study._open import make_sampler
-from loader_search.study.config._config import SamplerConfig, StudyConfig
-from loader_search.study.search._guide import Guide, Proposal
-from loader_search.study.search._space import IntRange, ResolvedSpace
-from loader_search.study.stats._confirm import ConfirmSettings
-from loader_search.study.stats._recommend import hypervolume_2d, summarize_trials
-from loader_search.study.work._budget import (
+from loader_search.study.search import Guide, Proposal
+from loader_search.study.stats import ConfirmSettings
+from loader_search.study.work import (
     FINISHED_STATES,
     Done,
     Take,
     Wait,
     count_used,
     decide,
+    plan_trial,
+    queue_decision,
 )
-from loader_search.study.work._plan import plan_trial
-from loader_search.study.work._take import queue_decision
 
 EQUAL_LOSS = 0.005  # relative: val_losses this close are "equal" for the regret
 HV_REFERENCE = (0.0, 1.1)  # (normalised throughput, normalised val_loss)

@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.ground_truth import QUICKSTART, Entry, key, measure, quick_config, read_rows
 from loader_search.params import LoaderParams
-from loader_search.study.config._config import load_config
+from loader_search.study import load_config
 from loader_search.workloads import load_workload
 
 CONTENDER_SHARE = 0.85  # within 15% of the batch size's best median

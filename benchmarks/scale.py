@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from loader_search.team._storage import create_engine
+from loader_search.team import create_engine
 
 HERE = Path(__file__).resolve().parent
 PLUGIN = f"{HERE / 'fast_workload.py'}:build"
@@ -261,7 +261,7 @@ def _summarise(
     import optuna
     from optuna.trial import TrialState
 
-    from loader_search.study.work._budget import FINISHED_STATES, count_used
+    from loader_search.study.work import FINISHED_STATES, count_used
 
     lines = (
         [json.loads(line) for line in timings.read_text().splitlines()] if timings.exists() else []

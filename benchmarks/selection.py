@@ -35,15 +35,14 @@ from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._keys import (
+from loader_search.study import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     PARAMS_ATTR,
+    StudyConfig,
 )
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.stats._confirm import ConfirmSettings, next_remeasure, rounds_of
-from loader_search.study.stats._paired import PairedSpeedup
+from loader_search.study.stats import ConfirmSettings, PairedSpeedup, next_remeasure, rounds_of
 
 BASE = LoaderParams(64, 0, torch_threads=2)
 A = LoaderParams(64, 2, 2, False, True, 1)

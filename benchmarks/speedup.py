@@ -26,10 +26,14 @@ from optuna.trial import TrialState
 from benchmarks.ground_truth import QUICKSTART, quick_config, shuffled_rounds, trial_plan
 from loader_search._system import resolve_device, usable_cpus
 from loader_search.params import LoaderParams
-from loader_search.study._keys import CONFIRMATION_ATTR, VAL_LOSS_FROM
-from loader_search.study._session import run_study
-from loader_search.study.config._config import StudyConfig, load_config
-from loader_search.team._locks import host_lock
+from loader_search.study import (
+    CONFIRMATION_ATTR,
+    VAL_LOSS_FROM,
+    StudyConfig,
+    load_config,
+    run_study,
+)
+from loader_search.team import host_lock
 from loader_search.trial import TrialJob, run_isolated
 from loader_search.workloads import load_workload
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._fresh import in_fresh_process
-from loader_search.study._keys import CEILING_ATTR, PRODUCER_COST
+from loader_search.study import CEILING_ATTR, PRODUCER_COST
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"quickstart": "studies/quickstart.toml", "text": "studies/text.toml"}
@@ -73,7 +73,7 @@ def one(
     import dataclasses
 
     from loader_search.params import LoaderParams, RunPlan
-    from loader_search.study.config._config import load_config
+    from loader_search.study import load_config
     from loader_search.trial import run_trial
     from loader_search.workloads import load_workload
 
@@ -173,8 +173,7 @@ def standin(out: Path, quick: bool) -> dict[str, Any]:
     from optuna.trial import TrialState
 
     from benchmarks.ground_truth import quick_config
-    from loader_search.study._session import run_study
-    from loader_search.study.config._config import load_config
+    from loader_search.study import load_config, run_study
 
     base = load_config(ROOT / STANDIN)
     if quick:

@@ -7,7 +7,7 @@ would have run them (`benchmarks.claims.more_rounds`), the time its search and i
 confirmation trials took, and the plain training loop's speedup read side by side right
 after the study (`benchmarks.reference`). A stop rule only decides after how many of those
 rounds to stop; the readings do not depend on it. So every rule can be replayed on the same
-recorded rounds with the study's own code (`_confirm._settled`, asked after each round as
+recorded rounds with the study's own code (`_confirm.settled`, asked after each round as
 the worker asks it), and compared on what the issue counts:
 
 - the claim (the geometric mean of the rounds up to the stop, `paired_speedup`) against the
@@ -47,8 +47,8 @@ from typing import Any
 
 from benchmarks import selection
 from loader_search.params import LoaderParams
-from loader_search.study.stats._confirm import ConfirmSettings, Rounds, _settled
-from loader_search.study.stats._paired import paired_speedup
+from loader_search.study.stats import ConfirmSettings, Rounds, paired_speedup
+from loader_search.study.stats import settled as confirm_settled
 
 DATA = Path(__file__).parent / "data"
 # The claims runs on record whose confirmation trials were forked from a fresh process.
@@ -142,7 +142,7 @@ def replay(study: Recorded, rule: ConfirmSettings) -> Replayed:
 
     def settled(n: int) -> bool:  # asked after round n - 1, with the rounds measured so far
         so_far = dict(list(measured.items())[:n])
-        return _settled(Rounds(BASELINE, (CANDIDATE,), so_far, rule.block_test), n, rule)
+        return confirm_settled(Rounds(BASELINE, (CANDIDATE,), so_far, rule.block_test), n, rule)
 
     stop = next((n for n in range(1, total + 1) if settled(n)), None)
     kept = stop if stop is not None else total

@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any
 from loader_search._version import __version__
 
 _EXPORTS = {
-    "CpuRange": "loader_search.study.search._space",
-    "IntRange": "loader_search.study.search._space",
-    "SearchSpace": "loader_search.study.search._space",
+    "CpuRange": "loader_search.study",
+    "IntRange": "loader_search.study",
+    "SearchSpace": "loader_search.study",
     "LoaderParams": "loader_search.params",
     "dataloader_snippet": "loader_search._snippets",
-    "SamplerConfig": "loader_search.study.config._config",
-    "StudyConfig": "loader_search.study.config._config",
-    "load_config": "loader_search.study.config._config",
-    "StudySummary": "loader_search.study.stats._recommend",
-    "run_study": "loader_search.study._session",
-    "LineReporter": "loader_search.study._events",
-    "NullReporter": "loader_search.study._events",
-    "Reporter": "loader_search.study._events",
-    "StudyInfo": "loader_search.study._events",
-    "TrialEvent": "loader_search.study._events",
-    "init_study": "loader_search.study._session",
-    "run_worker": "loader_search.study._session",
+    "SamplerConfig": "loader_search.study",
+    "StudyConfig": "loader_search.study",
+    "load_config": "loader_search.study",
+    "StudySummary": "loader_search.study",
+    "run_study": "loader_search.study",
+    "LineReporter": "loader_search.study",
+    "NullReporter": "loader_search.study",
+    "Reporter": "loader_search.study",
+    "StudyInfo": "loader_search.study",
+    "TrialEvent": "loader_search.study",
+    "init_study": "loader_search.study",
+    "run_worker": "loader_search.study",
     "TrainingSettings": "loader_search.params",
     "TrialResult": "loader_search.trial",
     "run_trial": "loader_search.trial",
@@ -67,17 +67,23 @@ if TYPE_CHECKING:
     from loader_search._snippets import dataloader_snippet
     from loader_search.errors import UserError
     from loader_search.params import LoaderParams
-    from loader_search.study._events import (
+    from loader_search.study import (
+        CpuRange,
+        IntRange,
         LineReporter,
         NullReporter,
         Reporter,
+        SamplerConfig,
+        SearchSpace,
+        StudyConfig,
         StudyInfo,
+        StudySummary,
         TrialEvent,
+        init_study,
+        load_config,
+        run_study,
+        run_worker,
     )
-    from loader_search.study._session import init_study, run_study, run_worker
-    from loader_search.study.config._config import SamplerConfig, StudyConfig, load_config
-    from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
-    from loader_search.study.stats._recommend import StudySummary
     from loader_search.trial import TrialResult, run_trial
     from loader_search.workloads import Workload
 

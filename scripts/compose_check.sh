@@ -182,9 +182,9 @@ fi
 read -r -d '' INSPECT <<'EOF' || true
 import json, os, sys, collections
 import optuna
-from loader_search.study.work._budget import uses_budget
-from loader_search.study._keys import FAILURE_REASON, WORKER_ATTR, is_confirmation
-from loader_search.team._storage import resolve_storage_url
+from loader_search.study import FAILURE_REASON, WORKER_ATTR, is_confirmation
+from loader_search.study.work import uses_budget
+from loader_search.team import resolve_storage_url
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 rdb = optuna.storages.RDBStorage(resolve_storage_url(None))
 study = optuna.load_study(study_name=sys.argv[1], storage=rdb)

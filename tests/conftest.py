@@ -50,7 +50,7 @@ MARIADB_URL = os.environ.get(
 
 def require_database(url: str) -> None:
     """Skip when the server is not running here; fail instead under CI's strict setting."""
-    from loader_search.team._storage import create_engine
+    from loader_search.team import create_engine
 
     try:
         engine = create_engine(url)  # with the connect timeout: a silent server fails fast

@@ -16,9 +16,8 @@ from torch.utils.data import TensorDataset
 from loader_search import SearchSpace, StudyConfig, TrainingSettings, run_study
 from loader_search._snippets import dataloader_snippet
 from loader_search.params import LoaderParams, RunPlan
-from loader_search.study._keys import stored_params
-from loader_search.study.config._config import SamplerConfig, parse_config
-from loader_search.study.search._space import CpuRange
+from loader_search.study import CpuRange, SamplerConfig, stored_params
+from loader_search.study.config import parse_config
 from loader_search.study.work._record import fit_in_memory
 from loader_search.trial import TrialJob, run_isolated, run_trial
 from loader_search.workloads import Workload

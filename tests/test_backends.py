@@ -15,10 +15,10 @@ import torch
 from loader_search import run_study
 from loader_search._snippets import dataloader_snippet
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._keys import stored_params
-from loader_search.study.config._config import parse_config
-from loader_search.trial import TrialJob, run_isolated
-from loader_search.trial._loader import ThreadLoader, build_loader
+from loader_search.study import stored_params
+from loader_search.study.config import parse_config
+from loader_search.trial import TrialJob, build_loader, run_isolated
+from loader_search.trial._loader import ThreadLoader
 from loader_search.workloads.synthetic_images import synthetic_images
 
 SETTINGS = TrainingSettings(train_samples=512, batch_size=16, warmup_batches=1, eval_batch_size=64)

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 from loader_search._rules import RANGES
 from loader_search.errors import UserError
-from loader_search.study.config._config import parse_config
-from loader_search.team._masking import mask_url
-from loader_search.team._storage import DB_TIMEOUT_ENV, open_storage
+from loader_search.study.config import parse_config
+from loader_search.team import DB_TIMEOUT_ENV, mask_url, open_storage
 from tests.conftest import (
     MARIADB_URL,
     POSTGRES_URL,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import stopping
-from loader_search.study.stats._recommend import hypervolume_2d
+from loader_search.study import hypervolume_2d
 from tests.conftest import ROOT, require_database
 
 

@@ -12,21 +12,19 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams
-from loader_search.study._keys import (
+from loader_search.study import (
     BASELINE_ATTR,
-    CONFIRM_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     FAILURE_REASON,
     HARDWARE_CLASS_ATTR,
     PARAMS_ATTR,
-    RETRY_HISTORY,
-    TOLERANCE_ATTR,
     WORKER_ATTR,
+    StudyConfig,
 )
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.stats._confirm import ConfirmSettings, Remeasure
-from loader_search.study.work._budget import (
+from loader_search.study._keys import CONFIRM_ATTR, RETRY_HISTORY, TOLERANCE_ATTR
+from loader_search.study.stats import ConfirmSettings, Remeasure
+from loader_search.study.work import (
     Confirm,
     Done,
     Take,

@@ -18,9 +18,9 @@ import pytest
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
-from loader_search.cli._commands import app
+from loader_search.cli import app
 from loader_search.study._keys import METRIC_NAMES
-from loader_search.team._locks import host_lock
+from loader_search.team import host_lock
 from tests.conftest import CONFIRMED_CONFIG, ROOT, invoke, run_cli
 
 PLUGIN = Path(__file__).parent / "plugins" / "my_workload.py"

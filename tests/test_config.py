@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from loader_search.errors import UserError
-from loader_search.study.config._config import StudyConfig, load_config, parse_config
-from loader_search.study.search._space import CpuRange, IntRange
+from loader_search.study import CpuRange, IntRange, StudyConfig, load_config
+from loader_search.study.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,34 +20,30 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy import stats
 
 from loader_search.params import LoaderParams
-from loader_search.study._keys import (
+from loader_search.study import (
     BASELINE_ATTR,
-    CONFIRM_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     FAILURE_REASON,
-    OTHER_LOAD_ATTR,
     PARAMS_ATTR,
+    StudyConfig,
+    summarize_trials,
 )
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.stats._confirm import (
-    MAX_DISTURBED,
-    RACE_ROUNDS,
-    ConfirmSettings,
-    Remeasure,
-    next_remeasure,
-)
-from loader_search.study.stats._paired import (
+from loader_search.study._keys import CONFIRM_ATTR, OTHER_LOAD_ATTR
+from loader_search.study.stats import (
     FASTER,
     NO_RELIABLE_GAIN,
-    RERUN_NOISE,
+    NOT_CONFIRMED,
+    VERDICTS,
+    ConfirmSettings,
+    Remeasure,
     chance_of_gain,
-    f_95,
+    next_remeasure,
     paired_speedup,
-    t_975,
 )
-from loader_search.study.stats._recommend import NOT_CONFIRMED, VERDICTS, summarize_trials
-from loader_search.study.work._budget import confirm_settings
+from loader_search.study.stats._confirm import MAX_DISTURBED, RACE_ROUNDS
+from loader_search.study.stats._paired import RERUN_NOISE, f_95, t_975
+from loader_search.study.work import confirm_settings
 from loader_search.trial import INTERRUPTED
 
 BASE = LoaderParams(64, 0, torch_threads=2)

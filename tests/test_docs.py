@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_search.cli._commands import app
+from loader_search.cli import app
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"

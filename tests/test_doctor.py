@@ -19,9 +19,16 @@ from loader_search.cli._doctor import (
     diagnose,
 )
 from loader_search.params import LoaderParams
-from loader_search.study.config._config import load_config, parse_config
-from loader_search.study.search._fit import fit_space, sample_bytes, shm_footprint_bytes
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+from loader_search.study import (
+    CpuRange,
+    IntRange,
+    SearchSpace,
+    fit_space,
+    load_config,
+    sample_bytes,
+)
+from loader_search.study.config import parse_config
+from loader_search.study.search import shm_footprint_bytes
 from loader_search.workloads import Workload
 from tests.conftest import run_cli
 

@@ -22,10 +22,16 @@ from optuna.trial import TrialState
 from torch import nn
 
 from loader_search.params import TrainingSettings, TrialLimits
+from loader_search.study import (
+    CpuRange,
+    IntRange,
+    SamplerConfig,
+    SearchSpace,
+    StudyConfig,
+    init_study,
+    run_study,
+)
 from loader_search.study._keys import INFERRED_FROM
-from loader_search.study._session import init_study, run_study
-from loader_search.study.config._config import SamplerConfig, StudyConfig
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
 from loader_search.workloads import Workload
 from tests._datasets import TimedDataset, linear_model
 

@@ -15,17 +15,18 @@ import pytest
 from optuna.trial import TrialState
 
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._keys import (
+from loader_search.study import (
     MODEL_ROUND_ATTR,
-    PIPELINE_ATTR,
     PREDICTED_ATTR,
-    PREDICTION_ERROR_ATTR,
+    CpuRange,
+    IntRange,
+    SamplerConfig,
+    SearchSpace,
+    StudyConfig,
+    run_study,
 )
-from loader_search.study._session import run_study
-from loader_search.study.config._config import SamplerConfig, StudyConfig
-from loader_search.study.search._guide import Guide, Proposal
-from loader_search.study.search._pipeline import BOTTLENECKS
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+from loader_search.study._keys import PIPELINE_ATTR, PREDICTION_ERROR_ATTR
+from loader_search.study.search import BOTTLENECKS, Guide, Proposal
 from loader_search.workloads import Workload
 from tests.conftest import TINY_CONFIG, invoke
 

@@ -13,17 +13,8 @@ import sys
 
 import pytest
 
-from loader_search.team._hardware import (
-    NO_GPU,
-    GpuFacts,
-    _nvidia_smi,
-    _nvidia_smi_count,
-    _nvml_facts,
-    _text,
-    collect,
-    gpu_count,
-    gpu_facts,
-)
+from loader_search.team import NO_GPU, GpuFacts, collect, gpu_count, gpu_facts
+from loader_search.team._hardware import _nvidia_smi, _nvidia_smi_count, _nvml_facts, _text
 
 
 def _no_nvidia_driver() -> bool:

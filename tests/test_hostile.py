@@ -350,9 +350,8 @@ def test_fuzzed_stored_settings_are_read_in_range_or_refused_in_one_line() -> No
 
     from loader_search._rules import RANGES
     from loader_search.errors import UserError
-    from loader_search.study._keys import study_budget
-    from loader_search.study.config._config import StudyConfig
-    from loader_search.study.work._budget import confirm_settings
+    from loader_search.study import StudyConfig, study_budget
+    from loader_search.study.work import confirm_settings
 
     @settings(max_examples=300, deadline=None)
     @given(key=st.sampled_from(sorted(STORED_NUMBERS)), value=_fuzz_values())

@@ -18,7 +18,7 @@ from PIL import Image
 
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study.config._config import load_config
+from loader_search.study import load_config
 from loader_search.trial import run_trial
 from loader_search.trial._failures import classify_exception
 from loader_search.workloads import load_workload

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loader_search import interrupts
-from loader_search.team._locks import host_lock
+from loader_search.team import host_lock
 from tests.conftest import TINY_CONFIG
 
 

@@ -5,6 +5,9 @@ at the top of a module or inside a function, is read from the source (``ast``) a
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import loader_search
@@ -73,15 +76,47 @@ def _module_name(path: Path) -> str:
     return path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
 
 
+def _face_exports(module: str) -> dict[str, str]:
+    """Name -> defining module of a package face's lazy ``_EXPORTS`` map (read from the source,
+    so that an import through a face counts as an import of the module behind it)."""
+    init = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    if not init.is_file():
+        return {}
+    for node in ast.parse(init.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else None
+        if isinstance(target, ast.Name) and target.id == "_EXPORTS":
+            exports: dict[str, str] = ast.literal_eval(node.value)
+            return exports
+    return {}
+
+
+def _imported_names(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every ``from loader_search... import names`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] == "loader_search"
+        ):
+            found.append((str(node.module), [a.name for a in node.names]))
+    return found
+
+
 def _graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (at the top, inside a function or under
-    ``TYPE_CHECKING`` alike), each import resolved to the deepest module that exists."""
+    ``TYPE_CHECKING`` alike), each import resolved to the deepest module that exists, and an
+    import through a package's face to the module that defines the name."""
     modules = {_module_name(p).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")}
+    faces = {name: _face_exports(name) for name in modules}
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         me = _module_name(path).removesuffix(".__init__")
+        names = [name for _, name in _imports(path)]
+        for module, imported in _imported_names(path):
+            names += [faces[module][n] for n in imported if n in faces.get(module, {})]
         targets = set()
-        for _, name in _imports(path):
+        for name in names:
             while name not in modules and "." in name:
                 name = name.rsplit(".", 1)[0]
             if name != me and not me.startswith(name + "."):  # not itself, not its package
@@ -158,7 +193,19 @@ def test_modules_and_functions_stay_small() -> None:
 
 # Packages that name their API in their __init__: code outside such a package imports from
 # that face, never from its private modules (tests may reach inside the package they test).
-FACED = ("trial",)
+# A room of a package (``study/work/``) has a face of its own: the package's other modules
+# import the room through it too.
+FACED = ("cli", "reports", "study", "team", "trial", "workloads")
+
+
+def _private_owner(name: str) -> str | None:
+    """The folder that holds the private module ``name`` imports (``loader_search/study/work``
+    for ``loader_search.study.work._take``), for a faced package; None for a public name."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[1] not in FACED:
+        return None
+    private = next((i for i, part in enumerate(parts) if i >= 2 and part.startswith("_")), None)
+    return None if private is None else "/".join(parts[:private])
 
 
 def test_code_outside_a_package_imports_its_face() -> None:
@@ -168,15 +215,58 @@ def test_code_outside_a_package_imports_its_face() -> None:
         for path in sorted(root.rglob("*.py")):
             relative = path.relative_to(PACKAGE.parent).as_posix()
             for line, name in _imports(path):
-                parts = name.split(".")
-                inside = (
-                    relative.startswith(f"loader_search/{parts[1]}/") if len(parts) > 1 else False
-                )
-                if (
-                    len(parts) > 2
-                    and parts[1] in FACED
-                    and parts[2].startswith("_")
-                    and not inside
-                ):
+                owner = _private_owner(name)
+                if owner is not None and not relative.startswith(owner + "/"):
                     wrong.append(f"{relative}:{line} imports {name}")
     assert wrong == []
+
+
+def test_the_face_check_sees_a_private_import() -> None:
+    assert _private_owner("loader_search.study.work._take") == "loader_search/study/work"
+    assert _private_owner("loader_search.study._keys") == "loader_search/study"
+    assert _private_owner("loader_search.team._storage") == "loader_search/team"
+    assert _private_owner("loader_search.study.work") is None  # a room's face
+    assert _private_owner("loader_search.workloads.digits") is None  # a public module
+    assert _private_owner("loader_search._system") is None  # a base module
+
+
+def _faces() -> list[str]:
+    return sorted(
+        _module_name(init).removesuffix(".__init__")
+        for name in FACED
+        for init in (PACKAGE / name).rglob("__init__.py")
+        if "_hook" not in init.parts  # the start-up hook's folder is no package face
+    )
+
+
+def test_every_face_names_what_it_offers() -> None:
+    faces = _faces()
+    assert "loader_search.study.work" in faces and len(faces) >= 10
+    for face in faces:
+        module = importlib.import_module(face)
+        offered = module.__all__
+        assert offered, f"{face} names nothing"
+        for name in offered:
+            assert getattr(module, name) is not None, f"{face}.{name}"
+        exports = _face_exports(face)
+        if exports:  # a lazy face: its map and its list agree
+            assert set(exports) == set(offered) - {"main", "__version__"}, face
+
+
+def test_the_faces_import_nothing_heavy() -> None:
+    # Reading a study (`best`, `report`) goes through these faces: importing them, and the
+    # names those commands read, must not import torch (the workloads are torch models).
+    light = [face for face in _faces() if not face.endswith(".workloads")]
+    code = (
+        "import sys\n"
+        f"for face in {light!r}:\n"
+        "    __import__(face)\n"
+        "from loader_search.study import StudySummary, open_existing_study, summaries\n"
+        "from loader_search.reports import collect\n"
+        "from loader_search.team import mask_url, open_storage\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

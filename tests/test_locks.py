@@ -21,8 +21,8 @@ import pytest
 import sqlalchemy
 
 from loader_search.errors import UserError
+from loader_search.team import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
 from loader_search.team import _locks as locks
-from loader_search.team._locks import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
 from tests.conftest import (
     MARIADB_URL,
     NOBODY,

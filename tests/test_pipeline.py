@@ -8,16 +8,16 @@ from typing import Any
 import pytest
 
 from loader_search.params import LoaderParams
-from loader_search.study.search._pipeline import (
+from loader_search.study import CpuRange, IntRange, SearchSpace
+from loader_search.study.search import (
     SNAPSHOT_FORMAT,
     BatchLimit,
     Lift,
     Observation,
     PipelineModel,
     PipelineSnapshot,
-    fit,
 )
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+from loader_search.study.search._pipeline import fit
 
 # Per-sample CPU demands in round numbers: fetching 100 us, collating 10 us in a worker and
 # 2 us in place, receiving 10 us from a worker and copying 2 us in place.

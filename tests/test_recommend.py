@@ -6,8 +6,8 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
 from loader_search.params import LoaderParams
-from loader_search.study._keys import BASELINE_ATTR, DIRECTIONS, PARAMS_ATTR
-from loader_search.study.stats._recommend import TrialPoint, recommend, summarize
+from loader_search.study import BASELINE_ATTR, DIRECTIONS, PARAMS_ATTR, TrialPoint, summarize
+from loader_search.study.stats import recommend
 
 
 def point(number: int, throughput: float, loss: float, baseline: bool = False) -> TrialPoint:

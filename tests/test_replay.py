@@ -42,16 +42,17 @@ from benchmarks.replay import (
     trials_to_5pct,
 )
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._keys import (
+from loader_search.study import (
     CEILING_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     PARAMS_ATTR,
     VAL_LOSS_FROM,
+    SamplerConfig,
+    default_torch_threads,
+    load_config,
+    summarize_trials,
 )
-from loader_search.study.config._config import SamplerConfig, load_config
-from loader_search.study.search._space import default_torch_threads
-from loader_search.study.stats._recommend import summarize_trials
 
 # QUICK_SPACE.configs(): batch 32 and 64, each without workers and with one worker.
 B32_W0, B32_W1, B64_W0, B64_W1 = QUICK_SPACE.configs()

@@ -16,12 +16,12 @@ from optuna.trial import TrialState
 from plotly.offline import get_plotlyjs
 from typer.testing import CliRunner
 
-from loader_search.cli._commands import app
-from loader_search.reports._collect import collect, importances
-from loader_search.reports._data import INPUT_BOUND_THRESHOLD, ReportData
-from loader_search.reports._html import PLOT_IDS, render
-from loader_search.study._keys import HARDWARE_ATTR, HARDWARE_CLASS_ATTR, PARAMS_ATTR
-from loader_search.study._points import points_of
+from loader_search.cli import app
+from loader_search.reports import ReportData, collect, render
+from loader_search.reports._collect import importances
+from loader_search.reports._data import INPUT_BOUND_THRESHOLD
+from loader_search.reports._html import PLOT_IDS
+from loader_search.study import HARDWARE_ATTR, HARDWARE_CLASS_ATTR, PARAMS_ATTR, points_of
 from tests.conftest import TINY_CONFIG, invoke, run_cli
 
 # The added infeasible trial's "measured" values would dominate every real trial: if it

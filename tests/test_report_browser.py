@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from loader_search.reports._collect import collect
-from loader_search.reports._html import PLOT_IDS, render
+from loader_search.reports import collect, render
+from loader_search.reports._html import PLOT_IDS
 from tests.test_report import build_study
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")

@@ -14,27 +14,31 @@ from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.errors import UserError
 from loader_search.params import LoaderParams, TrainingSettings
-from loader_search.study._events import NullReporter
-from loader_search.study._keys import (
+from loader_search.study import (
     BASELINE_ATTR,
     CEILING_ATTR,
-    CEILING_FROM,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
     LOADER_EFFICIENCY_ATTR,
     PARAMS_ATTR,
-    TRIAL_PROCESS_ATTR,
     VAL_LOSS_ATTR,
     VAL_LOSS_FROM,
+    CpuRange,
+    IntRange,
+    NullReporter,
+    SamplerConfig,
+    SearchSpace,
+    StudyConfig,
+    TrialPoint,
+    create_session,
+    pareto_front,
+    run_study,
 )
-from loader_search.study._points import TrialPoint, merge_repeats, pareto_front
-from loader_search.study._session import create_session, run_study
-from loader_search.study.config._config import SamplerConfig, StudyConfig
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+from loader_search.study._keys import CEILING_FROM, TRIAL_PROCESS_ATTR
+from loader_search.study._points import merge_repeats
 from loader_search.study.stats._confirm import _disturbed
-from loader_search.study.work._machine import Machine
+from loader_search.study.work import Machine, count_finished, fresh_recipe
 from loader_search.study.work._plan import trusted_ceiling
-from loader_search.study.work._worker import count_finished, fresh_recipe
 from loader_search.trial import WorkloadRecipe
 from loader_search.workloads import Workload
 

@@ -12,10 +12,16 @@ from optuna.trial import TrialState
 
 from loader_search.errors import StudyAborted, UserError
 from loader_search.params import TrainingSettings
-from loader_search.study._open import make_sampler
-from loader_search.study._session import check_budget, run_study
-from loader_search.study.config._config import SamplerConfig, StudyConfig
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace
+from loader_search.study import (
+    CpuRange,
+    IntRange,
+    SamplerConfig,
+    SearchSpace,
+    StudyConfig,
+    check_budget,
+    make_sampler,
+    run_study,
+)
 from loader_search.workloads import Workload
 from tests._datasets import timed_workload
 

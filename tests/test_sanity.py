@@ -24,26 +24,24 @@ from optuna.trial import FrozenTrial, TrialState
 
 from loader_search._system import machine_busy_cpu_s
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
-from loader_search.study._keys import (
+from loader_search.study import (
     CEILING_ATTR,
-    CEILING_LOAD_ATTR,
     HARDWARE_CLASS_ATTR,
-    OTHER_LOAD_ATTR,
     PARAMS_ATTR,
-    UNTRAINED_LOSS_ATTR,
     VAL_LOSS_ATTR,
+    CpuRange,
+    SamplerConfig,
+    SearchSpace,
+    StudyConfig,
+    TrialPoint,
+    run_study,
+    tolerance_limit,
 )
-from loader_search.study._points import TrialPoint, baseline_doubt, tolerance_limit
-from loader_search.study._session import run_study
-from loader_search.study.config._config import SamplerConfig, StudyConfig
-from loader_search.study.search._space import CpuRange, SearchSpace
+from loader_search.study._keys import CEILING_LOAD_ATTR, OTHER_LOAD_ATTR, UNTRAINED_LOSS_ATTR
+from loader_search.study._points import baseline_doubt
 from loader_search.study.stats._confirm import DISTURBED_LOAD
-from loader_search.study.work._plan import (
-    BEATEN_BY,
-    BUSY_LIMIT,
-    MAX_CEILING_READINGS,
-    plan_trial,
-)
+from loader_search.study.work import plan_trial
+from loader_search.study.work._plan import BEATEN_BY, BUSY_LIMIT, MAX_CEILING_READINGS
 from loader_search.trial import run_trial
 from loader_search.workloads import Workload
 

@@ -5,13 +5,8 @@ import pytest
 
 from loader_search._system import usable_cpus
 from loader_search.params import LoaderParams
-from loader_search.study.search._space import (
-    CpuRange,
-    IntRange,
-    SearchSpace,
-    default_torch_threads,
-    power_of_two_steps,
-)
+from loader_search.study import CpuRange, IntRange, SearchSpace, default_torch_threads
+from loader_search.study.search import power_of_two_steps
 
 
 def _draw(space: SearchSpace, n: int, cpus: int, cuda: bool = False) -> list[LoaderParams]:

@@ -13,15 +13,16 @@ import sqlalchemy
 from sqlalchemy.engine import make_url
 
 from loader_search.errors import UserError
-from loader_search.team import _storage as storage_module
-from loader_search.team._db_errors import is_busy, outage
-from loader_search.team._masking import mask_url
-from loader_search.team._storage import (
+from loader_search.team import (
     DEFAULT_STORAGE,
     STORAGE_ENV,
+    is_busy,
+    mask_url,
     open_storage,
+    outage,
     resolve_storage_url,
 )
+from loader_search.team import _storage as storage_module
 from tests.conftest import (
     MARIADB_URL,
     POSTGRES_URL,

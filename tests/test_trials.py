@@ -13,10 +13,9 @@ import pytest
 import sqlalchemy
 
 from loader_search.params import WorkersSettings
-from loader_search.study._keys import DIRECTIONS
-from loader_search.study.work._trials import write_user_attrs
-from loader_search.team._locks import study_lock
-from loader_search.team._storage import open_storage
+from loader_search.study import DIRECTIONS
+from loader_search.study.work import write_user_attrs
+from loader_search.team import open_storage, study_lock
 from tests.conftest import MARIADB_URL, POSTGRES_URL, scratch_database
 
 

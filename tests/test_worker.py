@@ -9,16 +9,11 @@ import optuna
 from optuna.trial import TrialState
 
 from loader_search.params import WorkersSettings
-from loader_search.study._keys import (
-    BASELINE_ATTR,
-    CONFIRMATION_ATTR,
-    CONSTRAINT,
-    DIRECTIONS,
-    FAILURE_REASON,
-)
-from loader_search.study.work._budget import count_used, uses_budget
-from loader_search.study.work._heartbeats import Health, RetryStaleTrial, fail_stale_trials
-from loader_search.team._storage import open_storage
+from loader_search.study import BASELINE_ATTR, CONFIRMATION_ATTR, DIRECTIONS, FAILURE_REASON
+from loader_search.study._keys import CONSTRAINT
+from loader_search.study.work import RetryStaleTrial, count_used, uses_budget
+from loader_search.study.work._heartbeats import Health, fail_stale_trials
+from loader_search.team import open_storage
 
 GRACE_S = 2
 

@@ -19,8 +19,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from loader_search.study._keys import CONFIRMATION_ATTR, FAILURE_REASON, WORKER_ATTR
-from loader_search.study.work._worker import count_finished
+from loader_search.study import CONFIRMATION_ATTR, FAILURE_REASON, WORKER_ATTR
+from loader_search.study.work import count_finished
 from loader_search.workloads import Workload
 from tests.conftest import (
     CONFIRMED_CONFIG,
@@ -372,9 +372,9 @@ def test_a_result_written_during_an_outage_is_kept(
 ) -> None:
     """The database stops just as a trial finishes; its result is written once it is back."""
     from loader_search.params import LoaderParams, TrainingSettings
-    from loader_search.study._keys import DIRECTIONS
-    from loader_search.study.work._record import record
-    from loader_search.team._storage import open_storage
+    from loader_search.study import DIRECTIONS
+    from loader_search.study.work import record
+    from loader_search.team import open_storage
     from loader_search.trial import TrialOutcome, run_trial
 
     study = optuna.create_study(
@@ -401,10 +401,10 @@ def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(postgres_db: str) 
     every try and trying no less often than the heartbeat thread would, so that a team's sweep
     after a short outage does not fail it as stale and run it again."""
     from loader_search.params import WorkersSettings
-    from loader_search.study._keys import DIRECTIONS
+    from loader_search.study import DIRECTIONS
     from loader_search.study._optuna_compat import trial_id
     from loader_search.study.work._heartbeats import beating
-    from loader_search.team._storage import open_storage
+    from loader_search.team import open_storage
 
     workers = WorkersSettings(heartbeat_interval_s=1, grace_period_s=4)
     storage = open_storage(postgres_db, workers=workers)

@@ -29,19 +29,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from loader_search.errors import StudyAborted, UserError, printable
-from loader_search.team._db_errors import (
+from loader_search.team import (
     describe_driver_error,
     is_read_only,
     is_transient,
     read_only_error,
+    scrub_urls,
 )
-from loader_search.team._masking import scrub_urls
 
 if TYPE_CHECKING:
     from loader_search.cli._doctor import Check
     from loader_search.params import LoaderParams
-    from loader_search.reports._data import ReportData
-    from loader_search.study._events import StudyInfo, TrialEvent
+    from loader_search.reports import ReportData
+    from loader_search.study import StudyInfo, TrialEvent
 
 DEBUG_ENV = "LOADER_SEARCH_DEBUG"
 
@@ -171,7 +171,7 @@ def write_report(data: ReportData, fmt: str, output: Path | None, study: str) ->
     if fmt == "json":
         text = json.dumps(data.as_dict(), indent=2) + "\n"
     else:
-        from loader_search.reports._html import render  # plotly: only when drawing
+        from loader_search.reports import render
 
         text = render(data)
     if output is None:

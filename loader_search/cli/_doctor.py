@@ -31,19 +31,12 @@ from loader_search._system import (
     usable_cpus,
 )
 from loader_search.errors import UserError
-from loader_search.study.search._fit import (
-    SHM_FIX,
-    fit_space,
-    largest_footprint,
-    sample_bytes,
-)
-from loader_search.study.search._fit import (
-    size_text as _size,
-)
+from loader_search.study import SHM_FIX, fit_space, largest_footprint, sample_bytes
+from loader_search.study import size_text as _size
 from loader_search.trial import can_isolate, resolve_ranks
 
 if TYPE_CHECKING:
-    from loader_search.study.config._config import StudyConfig
+    from loader_search.study import StudyConfig
     from loader_search.workloads import Workload
 
 Verdict = Literal["ok", "warn", "fail"]
@@ -337,8 +330,7 @@ def _isolation(config: StudyConfig | None) -> Check:
 def _storage(storage_url: str | None) -> Check:
     from sqlalchemy.engine import make_url
 
-    from loader_search.team._masking import mask_url
-    from loader_search.team._storage import in_memory, open_storage, resolve_storage_url
+    from loader_search.team import in_memory, mask_url, open_storage, resolve_storage_url
 
     try:
         url = resolve_storage_url(storage_url)

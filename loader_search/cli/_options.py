@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from loader_search.errors import UserError
-from loader_search.team._storage import STORAGE_ENV
+from loader_search.team import STORAGE_ENV
 
 ConfigArgument = Annotated[
     Path, typer.Argument(help="Study config file (TOML), e.g. studies/quickstart.toml.")

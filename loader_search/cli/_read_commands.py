@@ -21,10 +21,10 @@ from loader_search.cli._console import (
 from loader_search.cli._options import LossToleranceOption, StorageOption, StudyArgument
 from loader_search.cli._summary import print_summaries
 from loader_search.errors import UserError
-from loader_search.team._masking import mask_url
+from loader_search.team import mask_url
 
 if TYPE_CHECKING:
-    from loader_search.study.stats._recommend import Recommendation
+    from loader_search.study import Recommendation
 
 
 @reports_errors
@@ -35,8 +35,7 @@ def best(
     loss_tolerance: LossToleranceOption = None,
 ) -> None:
     """Show a study's Pareto front (throughput vs validation loss) and the recommendation."""
-    from loader_search.study._open import open_existing_study
-    from loader_search.study.stats._recommend import summaries
+    from loader_search.study import open_existing_study, summaries
 
     existing = open_existing_study(study, storage, loss_tolerance=loss_tolerance)
     print_summaries(summaries(existing.study, existing.loss_tolerance), as_json=as_json)
@@ -77,7 +76,7 @@ def report(
     workers x prefetch, data-wait, memory, failures and hardware. The JSON holds the same
     data, with `best --json`'s output under "summary".
     """
-    from loader_search.study._open import open_existing_study
+    from loader_search.study import open_existing_study
 
     if fmt not in REPORT_FORMATS:
         raise UserError(f"--format {fmt!r}: use html or json")
@@ -97,7 +96,7 @@ def report(
 
     import optuna
 
-    from loader_search.reports._collect import collect
+    from loader_search.reports import collect
 
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created" lines
@@ -136,8 +135,8 @@ def dashboard(
     http://127.0.0.1:8080/dashboard/ locally. In a container that publishes its port on the
     host's 127.0.0.1: --host 0.0.0.0 --allow-host 127.0.0.1 --allow-host localhost.
     """
-    from loader_search.reports._dashboard import serve
-    from loader_search.team._storage import open_storage, resolve_storage_url
+    from loader_search.reports import serve
+    from loader_search.team import open_storage, resolve_storage_url
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must be between 1 and 65535 (0: any free port)")
@@ -166,10 +165,16 @@ def studies(storage: StorageOption = None) -> None:
     import optuna
     from optuna.trial import TrialState
 
-    from loader_search.study._keys import BUDGET_ATTR, DIRECTIONS, study_budget, study_tolerance
-    from loader_search.study.config._config import StudyConfig
-    from loader_search.study.stats._recommend import hardware_classes, summarize
-    from loader_search.team._storage import open_storage, resolve_storage_url
+    from loader_search.study import (
+        BUDGET_ATTR,
+        DIRECTIONS,
+        StudyConfig,
+        hardware_classes,
+        study_budget,
+        study_tolerance,
+        summarize,
+    )
+    from loader_search.team import open_storage, resolve_storage_url
 
     url = resolve_storage_url(storage)
     rdb = open_storage(url, must_exist=True)

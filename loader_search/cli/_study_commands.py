@@ -65,8 +65,8 @@ def run(
     settings reach it as the placeholders' values, and those without a placeholder are put
     into its training DataLoader (docs/scripts.md).
     """
-    from loader_search.study.config._config import command_config, load_config
-    from loader_search.team._storage import check_shared, resolve_storage_url
+    from loader_search.study import command_config, load_config
+    from loader_search.team import check_shared, resolve_storage_url
 
     if len(target) == 1 and target[0].endswith(".toml"):
         cfg = load_config(target[0])
@@ -75,7 +75,7 @@ def run(
     cfg = cfg.with_overrides(name=study_name, timeout_s=timeout)
     pinned = parse_cpus(cpus)
     check_shared(resolve_storage_url(storage), "run")
-    from loader_search.study._session import run_study  # torch: only once the config is known good
+    from loader_search.study import run_study
 
     with live_progress(interruptible=True) as reporter:
         summary = run_study(
@@ -101,12 +101,12 @@ def init(
 
     Safe to repeat: an existing study is continued (its budget updated with --n-trials).
     """
-    from loader_search.study.config._config import load_config
-    from loader_search.team._storage import check_shared, resolve_storage_url
+    from loader_search.study import load_config
+    from loader_search.team import check_shared, resolve_storage_url
 
     cfg = load_config(config).with_overrides(name=study_name)
     check_shared(resolve_storage_url(storage), "init")
-    from loader_search.study._session import init_study
+    from loader_search.study import init_study
 
     with live_progress() as reporter:
         info = init_study(cfg, storage=storage, n_trials=n_trials, reporter=reporter)
@@ -176,7 +176,7 @@ def worker(
     plug-in (code) only if this machine allows it with --allow-plugin, and a training
     command only if --allow-command names it exactly.
     """
-    from loader_search.study._session import run_worker
+    from loader_search.study import run_worker
 
     with live_progress(interruptible=True) as reporter:
         summary = run_worker(

@@ -16,8 +16,7 @@ from rich.table import Table
 from loader_search.cli._console import console, shown
 
 if TYPE_CHECKING:
-    from loader_search.study.search._pipeline import Bottleneck
-    from loader_search.study.stats._recommend import PipelineView, StudySummary
+    from loader_search.study import Bottleneck, PipelineView, StudySummary
 
 
 def print_summaries(summaries: Sequence[StudySummary], *, as_json: bool = False) -> None:

@@ -29,7 +29,7 @@ def doctor(
 
     Exits 1 when a check fails, 0 otherwise (warnings included).
     """
-    from loader_search.study.config._config import load_config
+    from loader_search.study import load_config
 
     cfg = load_config(config) if config is not None else None
     from loader_search.cli._doctor import diagnose  # torch: only once the config is known good

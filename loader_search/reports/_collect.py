@@ -45,7 +45,7 @@ from loader_search.reports._data import (
     ReportTrial,
     TrialStatus,
 )
-from loader_search.study._keys import (
+from loader_search.study import (
     BASELINE_ATTR,
     DATA_WAIT,
     ENVIRONMENT_ATTRS,
@@ -61,9 +61,13 @@ from loader_search.study._keys import (
     PEAK_RSS,
     THROUGHPUT,
     VAL_LOSS,
+    hypervolume_2d,
+    is_feasible,
+    pareto_front,
+    points_of,
+    summarize,
+    trial_points,
 )
-from loader_search.study._points import is_feasible, pareto_front, points_of, trial_points
-from loader_search.study.stats._recommend import hypervolume_2d, summarize
 
 
 def collect(

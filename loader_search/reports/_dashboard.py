@@ -39,11 +39,11 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.errors import UserError
-from loader_search.study._points import is_feasible
+from loader_search.study import is_feasible
 
 if TYPE_CHECKING:
     # Only in BaseStorage's own signatures: Optuna exports no public name for it.
-    from loader_search.study._optuna_compat import FrozenStudy
+    from loader_search.study import FrozenStudy
 
 # The system attribute optuna-dashboard reads constraints from (Optuna < 5 wrote it).
 _LEGACY_CONSTRAINTS_KEY = "constraints"

@@ -13,8 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from loader_search.params import LoaderParams
-from loader_search.study._points import TrialPoint
-from loader_search.study.stats._recommend import StudySummary
+from loader_search.study import StudySummary, TrialPoint
 
 # data_wait_fraction above this: the loader, not the model, set the pace of the trial.
 INPUT_BOUND_THRESHOLD = 0.1

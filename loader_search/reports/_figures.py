@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from loader_search.reports._data import ReportData, ReportTrial
-from loader_search.study._points import TrialPoint
+from loader_search.study import TrialPoint
 
 _TEMPLATE = "plotly_white"
 _COLORS = {

@@ -18,7 +18,7 @@ from typing import cast
 
 import optuna
 
-from loader_search.study.stats._recommend import StudySummary, summaries
+from loader_search.study.stats import StudySummary, summaries
 
 
 def note_text(results: Sequence[StudySummary]) -> str:

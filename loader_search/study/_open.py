@@ -16,10 +16,9 @@ from optuna.trial import TrialState
 
 from loader_search.errors import UserError
 from loader_search.study._keys import DIRECTIONS, FINGERPRINT_ATTR, METRIC_NAMES, study_tolerance
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.stats._recommend import hardware_classes
-from loader_search.team._masking import mask_url
-from loader_search.team._storage import open_storage, resolve_storage_url
+from loader_search.study.config import StudyConfig
+from loader_search.study.stats import hardware_classes
+from loader_search.team import mask_url, open_storage, resolve_storage_url
 
 
 def make_sampler(config: StudyConfig, seed_offset: int = 0) -> optuna.samplers.BaseSampler:

@@ -25,12 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
+# Imported at run time, not only for type checking, so that the layer's face can name it for
+# the dashboard's wrapper (optuna.study imports this module anyway: it costs nothing).
+from optuna.study._frozen import FrozenStudy
+
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
-    from optuna.study._frozen import FrozenStudy as FrozenStudy
     from optuna.trial import FrozenTrial
 
 __all__ = [
+    "FrozenStudy",
     "cached_frozen_trial",
     "rdb_attr_writer",
     "study_storage",

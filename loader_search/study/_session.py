@@ -26,25 +26,28 @@ from loader_search.study._events import LineReporter, NullReporter, Reporter, St
 from loader_search.study._keys import study_budget, study_tolerance
 from loader_search.study._note import write_note
 from loader_search.study._open import make_sampler, open_existing_study, open_study, seed_offset_of
-from loader_search.study.config._command_config import check_command_allowed
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.config._stored import (
+from loader_search.study.config import (
+    StudyConfig,
+    check_command_allowed,
     describe,
     fingerprint,
     settle_budget,
     store_settings,
     stored_config,
 )
-from loader_search.study.search._space import ResolvedSpace
-from loader_search.study.stats._recommend import StudySummary, hardware_classes, summarize
-from loader_search.study.work._heartbeats import RetryStaleTrial
-from loader_search.study.work._machine import Machine, check_hardware, fit_to_machine, this_machine
-from loader_search.study.work._session_state import Session
-from loader_search.study.work._worker import count_finished, work
-from loader_search.team._hardware import Hardware
-from loader_search.team._locks import study_lock
-from loader_search.team._masking import mask_url
-from loader_search.team._storage import open_storage, resolve_storage_url
+from loader_search.study.search import ResolvedSpace
+from loader_search.study.stats import StudySummary, hardware_classes, summarize
+from loader_search.study.work import (
+    Machine,
+    RetryStaleTrial,
+    Session,
+    check_hardware,
+    count_finished,
+    fit_to_machine,
+    this_machine,
+    work,
+)
+from loader_search.team import Hardware, mask_url, open_storage, resolve_storage_url, study_lock
 from loader_search.trial import (
     MIN_MEASURED_BATCHES,
     FreshHost,

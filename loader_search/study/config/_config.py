@@ -40,7 +40,7 @@ from loader_search.study.config._command_config import (
 )
 from loader_search.study.config._config_space import parse_space
 from loader_search.study.config._toml import Table, is_plain, nesting_depth
-from loader_search.study.search._space import SearchSpace
+from loader_search.study.search import SearchSpace
 
 if sys.version_info >= (3, 11):
     import tomllib

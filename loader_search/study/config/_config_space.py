@@ -7,7 +7,7 @@ from __future__ import annotations
 from loader_search._rules import RANGES
 from loader_search.params import BACKENDS, START_METHODS
 from loader_search.study.config._toml import Table, is_int
-from loader_search.study.search._space import CpuRange, IntRange, SearchSpace, power_of_two_steps
+from loader_search.study.search import CpuRange, IntRange, SearchSpace, power_of_two_steps
 
 
 def parse_space(table: Table) -> SearchSpace:

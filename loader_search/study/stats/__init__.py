@@ -26,6 +26,7 @@ _EXPORTS = {
     "rounds_of": "loader_search.study.stats._confirm",
     "rounds_owner": "loader_search.study.stats._confirm",
     "paired_speedups": "loader_search.study.stats._confirm",
+    "settled": "loader_search.study.stats._confirm",
     # the recommendation
     "StudySummary": "loader_search.study.stats._recommend",
     "Recommendation": "loader_search.study.stats._recommend",
@@ -62,6 +63,7 @@ __all__ = [
     "recommend",
     "rounds_of",
     "rounds_owner",
+    "settled",
     "summaries",
     "summarize",
     "summarize_trials",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
         paired_speedups,
         rounds_of,
         rounds_owner,
+        settled,
     )
     from loader_search.study.stats._paired import (
         FASTER,

@@ -329,7 +329,7 @@ def next_remeasure(
         missing = [p for p in order if p not in rounds.measured.get(current, {})]
         if missing:
             return Remeasure(missing[0], current)
-        if not order or _settled(rounds, current + 1, confirm):
+        if not order or settled(rounds, current + 1, confirm):
             return None
         current += 1
 
@@ -356,7 +356,7 @@ def rounds_owner(
     return owner, last.number
 
 
-def _settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
+def settled(rounds: Rounds, next_round: int, confirm: ConfirmSettings) -> bool:
     """Whether the rounds before ``next_round`` are enough: the race is over (one candidate
     left), the leader was measured alone beside the baseline in at least ``min_rounds``
     rounds (`Rounds.fresh`), and it was measured in ``max_rounds`` (the cap), or a "faster"

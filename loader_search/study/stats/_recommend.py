@@ -30,7 +30,7 @@ from loader_search._snippets import dataloader_snippet, node_totals
 from loader_search.params import STEP_KEYS, LoaderParams, TrainingSettings
 from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
-from loader_search.study.search._pipeline import Bottleneck, Lift, LimitSource, PipelineSnapshot
+from loader_search.study.search import Bottleneck, Lift, LimitSource, PipelineSnapshot
 from loader_search.study.stats._confirm import paired_speedups
 from loader_search.study.stats._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
 from loader_search.trial import placeholder_values, render_command

@@ -28,14 +28,9 @@ from loader_search.study._keys import (
     stored_table,
     study_tolerance,
 )
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.search._guide import Proposal
-from loader_search.study.stats._confirm import (
-    ConfirmSettings,
-    Remeasure,
-    next_remeasure,
-    rounds_owner,
-)
+from loader_search.study.config import StudyConfig
+from loader_search.study.search import Proposal
+from loader_search.study.stats import ConfirmSettings, Remeasure, next_remeasure, rounds_owner
 from loader_search.trial import INTERRUPTED
 
 FINISHED_STATES = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)

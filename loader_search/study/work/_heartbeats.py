@@ -27,7 +27,7 @@ from loader_search.study._keys import (
     MODEL_ROUND_ATTR,
     RETRY_HISTORY,
 )
-from loader_search.team._db_errors import retrying
+from loader_search.team import retrying
 
 T = TypeVar("T")
 

@@ -14,12 +14,10 @@ import torch
 from loader_search._system import resolve_device, shm_bytes, usable_cpus
 from loader_search.errors import UserError, shorten
 from loader_search.study._keys import STUDY_HARDWARE_ATTR
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.search._fit import fit_space, sample_bytes
-from loader_search.study.search._space import ResolvedSpace
+from loader_search.study.config import StudyConfig
+from loader_search.study.search import ResolvedSpace, fit_space, sample_bytes
 from loader_search.study.work._timings import check_timings_file
-from loader_search.team._hardware import Hardware, collect, gpu_count
-from loader_search.team._lockfiles import check_lock_folder
+from loader_search.team import Hardware, check_lock_folder, collect, gpu_count
 from loader_search.trial import check_step_settings
 from loader_search.workloads import Workload
 

@@ -45,7 +45,7 @@ from loader_search.study._keys import (
 from loader_search.study._optuna_compat import study_storage, trial_id
 from loader_search.study.work._plan import Reuse
 from loader_search.study.work._trials import write_user_attrs
-from loader_search.team._db_errors import retrying
+from loader_search.team import retrying
 from loader_search.trial import INTERRUPTED, TrialFailure, TrialOutcome
 
 INFEASIBLE_VALUES = (0.0, math.inf)  # placeholder objective values of an infeasible trial

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import optuna
 import torch
 
-from loader_search.study.config._config import StudyConfig
-from loader_search.study.search._space import ResolvedSpace
-from loader_search.team._hardware import Hardware
+from loader_search.study.config import StudyConfig
+from loader_search.study.search import ResolvedSpace
+from loader_search.team import Hardware
 from loader_search.trial import FreshHost, WorkloadRecipe
 from loader_search.workloads import Workload
 

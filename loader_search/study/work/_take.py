@@ -49,9 +49,13 @@ from loader_search.study._keys import (
     study_budget,
 )
 from loader_search.study._optuna_compat import trial_id
-from loader_search.study.search._guide import Guide, Proposal
-from loader_search.study.search._pipeline import PipelineModel, PipelineSnapshot
-from loader_search.study.search._space import ResolvedSpace
+from loader_search.study.search import (
+    Guide,
+    PipelineModel,
+    PipelineSnapshot,
+    Proposal,
+    ResolvedSpace,
+)
 from loader_search.study.work._budget import (
     Confirm,
     Decision,
@@ -67,8 +71,7 @@ from loader_search.study.work._record import record_interrupted
 from loader_search.study.work._session_state import Session
 from loader_search.study.work._timings import Clock
 from loader_search.study.work._trials import write_user_attrs
-from loader_search.team._db_errors import outage, retrying
-from loader_search.team._locks import study_lock
+from loader_search.team import outage, retrying, study_lock
 from loader_search.trial import FreshHost, resolve_ranks
 
 MIN_HOLD_LIMIT_S = 30.0  # the shortest hold limit of the study lock (see `hold_limit`)

@@ -71,7 +71,7 @@ from loader_search.study.work._record import (
 from loader_search.study.work._session_state import Session
 from loader_search.study.work._take import Patience, Refused, Worker, look_ahead, sweep, take_trial
 from loader_search.study.work._timings import Clock
-from loader_search.team._locks import host_lock
+from loader_search.team import host_lock
 from loader_search.trial import TrialFailure, TrialJob, TrialOutcome, WorkloadRecipe, run_isolated
 
 
