@@ -130,6 +130,13 @@ def total_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+def available_ram_bytes() -> int:
+    """Memory the host could give now without swapping (page cache counts as free)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def cgroup_memory_limit_bytes(root: Path = _CGROUP_ROOT) -> int | None:
     """This process's cgroup memory limit (v2 ``memory.max`` or v1), or None when unlimited."""
     for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
@@ -200,6 +207,12 @@ def machine_busy_cpu_s(
 def affinity_cpus() -> list[int] | None:
     """The CPUs this process may run on (None where the platform cannot say)."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def host_cpus() -> int | None:
+    """The host's CPUs, all of them (None where the platform cannot say): more than a pinned
+    or containerised process may use (`usable_cpus`), shown beside it by ``doctor``."""
+    return os.cpu_count()
 
 
 class OtherLoad:

@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from loader_search._system import (
+    affinity_cpus,
+    available_ram_bytes,
     cgroup_cpu_limit,
     cgroup_memory_limit_bytes,
     cpu_model,
+    host_cpus,
     resolve_device,
     shm_bytes,
     start_method,
@@ -167,11 +170,9 @@ def _cuda_facts(index: int) -> tuple[str, int, int] | str:
 
 
 def _cpus() -> Check:
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        affinity = os.cpu_count() or 1
-    host = os.cpu_count() or affinity
+    pinned = affinity_cpus()
+    affinity = len(pinned) if pinned is not None else host_cpus() or 1  # None: not Linux
+    host = host_cpus() or affinity
     quota = cgroup_cpu_limit()
     usable = usable_cpus()
     quota_text = "no cgroup CPU quota" if quota is None else f"cgroup quota {quota:g} CPUs"
@@ -194,11 +195,9 @@ def _cpus() -> Check:
 
 
 def _memory(config: StudyConfig | None) -> Check:
-    import psutil
-
     total = total_ram_bytes()
     limit = cgroup_memory_limit_bytes()
-    available = int(psutil.virtual_memory().available)
+    available = available_ram_bytes()
     usable = min(total, limit) if limit is not None else total
     detail = (
         f"{_size(total)} RAM, {_size(available)} available;"

@@ -35,7 +35,7 @@ class Machine:
 def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, Hardware]:
     """Pin this process, then resolve its device and describe the hardware its trials use
     (in that order: pinning must precede any question to CUDA)."""
-    device = resolve_device(_pin(machine.cpus, machine.gpu, config.device))
+    device = resolve_device(_pin_this_process(machine.cpus, machine.gpu, config.device))
     check_step_settings(config.training, device)  # fp16 on a CPU, bf16 where CUDA lacks it
     check_lock_folder()  # trials will take the host lock there: refuse a bad one now
     check_timings_file()  # and append their timings here, if asked to
@@ -43,7 +43,7 @@ def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, H
     return device, collect(device.type, usable_cpus(), gpus)
 
 
-def _pin(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
+def _pin_this_process(cpus: Sequence[int] | None, gpu: int | None, device_spec: str) -> str:
     """Pin this process (and so every trial it forks) to ``cpus`` and ``gpu``; returns the
     device spec to use. Called before anything asks CUDA about its devices."""
     if cpus is not None:
