@@ -1,5 +1,5 @@
 """``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,agreement,scale,backends,
-all} [--quick]``, and ``python -m benchmarks {steps,ranks,selection,stopping} ...`` with
+all} [--quick]``, and ``python -m benchmarks {steps,ranks,selection,stopping,script} ...`` with
 options of their own (``--help`` after the name).
 
 See benchmarks/README.md.
@@ -29,6 +29,7 @@ from benchmarks import (
     replay,
     resolve,
     scale,
+    script,
     selection,
     speedup,
     steps,
@@ -46,6 +47,7 @@ OWN_OPTIONS: dict[str, Callable[[list[str]], None]] = {
     "ranks": ranks.main,
     "selection": selection.main,
     "stopping": stopping.main,
+    "script": script.main,
 }
 
 

@@ -18,7 +18,7 @@
 #      a real study of a ResNet-18 on 224px crops and the same side by side as in 2; then the
 #      same under the user's real step: bf16 autocast + torch.compile +
 #      channels_last (a copy of the config with those three [training] keys);
-#   6. `python -m benchmarks.steps`: the quickstart and text workloads' ceilings and best
+#   6. `python -m benchmarks steps`: the quickstart and text workloads' ceilings and best
 #      settings under fp32 eager, bf16, compile and bf16 + compile and fp16 with
 #      its GradScaler through `tests/test_step.py` (skipped on a CPU);
 #   7. a 2-rank smoke study on the one GPU (both ranks on cuda:0, gloo).
@@ -94,8 +94,8 @@ else
   echo "torchvision does not import here: skipped"; tail -3 "$OUT/imagenet.log"
 fi
 
-step "the step variants (benchmarks.steps) and fp16 with its GradScaler"
-python3 -m benchmarks.steps --out "$OUT/steps" > "$OUT/steps.log" 2>&1
+step "the step variants (benchmarks steps) and fp16 with its GradScaler"
+python3 -m benchmarks steps --out "$OUT/steps" > "$OUT/steps.log" 2>&1
 echo "steps exit $?"; tail -20 "$OUT/steps.log"
 python3 -m pytest -q -p no:cacheprovider tests/test_step.py > "$OUT/test_step.log" 2>&1
 echo "test_step exit $?"; tail -5 "$OUT/test_step.log"

@@ -282,3 +282,27 @@ def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
         assert (
             stopping.replay(study, stopping.CHI2).rounds <= stopping.replay(study, before).rounds
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_script_benchmark_reads_both_kinds_side_by_side(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "script", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "script.json").read_text())
+    # Every setting read once as a built-in trial and once as the script, and a ratio of them.
+    kinds = {(r["point"], r["kind"]) for r in results["readings"]}
+    assert len(kinds) == 2 * len(results["ratios"]) == 6
+    assert all(r["throughput"] > 0 and r["val_loss"] > 0 for r in results["readings"])
+    assert all(s["rounds"] == 1 and s["ratio"] > 0 for s in results["ratios"].values())
+    assert results["startup_s"] and min(results["startup_s"]) > 0
+    # Both studies ran and recommended something.
+    for kind in ("built-in", "script"):
+        assert results["studies"][kind]["wall_s"] > 0
+        assert results["studies"][kind]["recommended"].startswith("Recommended:")

@@ -212,8 +212,8 @@ class PeakRSS:
     physical memory use.
 
     Without children no thread runs: nothing wakes beside a training step that loads its own
-    samples (``python -m benchmarks.sampling_thread`` measures what the thread cost such a
-    trial: nothing measurable on a 2-core CPU, 0.997x with a 95% interval of +-4.5%). The
+    samples (what the thread cost such a trial, measured on a 2-core CPU: nothing
+    measurable, 0.997x with a 95% interval of +-4.5%; benchmarks/RESULTS.md). The
     thread's sample must be cheap: on Linux it reads the process tree from
     ``/proc/PID/task/TID/children`` and each process's ``statm`` (~90 us for a trial and its
     workers here). ``psutil``'s ``children()`` scans every process of the
