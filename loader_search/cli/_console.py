@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from loader_search.errors import StudyAborted, UserError, printable
+from loader_search.study import efficiency_text
 from loader_search.team import (
     describe_driver_error,
     is_read_only,
@@ -340,7 +341,11 @@ class RichReporter:
             round_ = f", round {event.confirm_round}" if event.confirm_round is not None else ""
             settings += f" [dim](confirm{round_})[/]"
         if event.complete:
-            efficiency = f"  eff {event.loader_efficiency:4.0%}" if event.loader_efficiency else ""
+            efficiency = (
+                f"  eff {efficiency_text(event.loader_efficiency):>4}"
+                if event.loader_efficiency
+                else ""
+            )
             # An early-stopped trial reports its batch size's known val_loss: marked "~".
             mark = "~" if event.val_loss_from else " "
             self.console.print(

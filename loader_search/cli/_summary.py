@@ -14,6 +14,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from loader_search.cli._console import console, shown
+from loader_search.study import above_ceiling, efficiency_text
 
 if TYPE_CHECKING:
     from loader_search.study import Bottleneck, PipelineView, StudySummary
@@ -70,10 +71,8 @@ def pipeline_lines(view: PipelineView, batch_size: int) -> list[str]:
 
 
 def _efficiency(value: float | None) -> str:
-    """A loader efficiency for a table cell: above 100% is flagged, never shown plain."""
-    if not value:
-        return "-"
-    return f"{value:.0%}" + ("!" if value > 1 else "")
+    """A loader efficiency for a table cell (`efficiency_text`), "-" where none was read."""
+    return efficiency_text(value) if value else "-"
 
 
 def print_summary(summary: StudySummary) -> None:
@@ -188,7 +187,7 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
             f" {rec.point.throughput / rec.point.loader_efficiency:,.0f} samples/s"
             + (
                 " (a reading below this setting's own: taken under load or by noise)"
-                if rec.point.loader_efficiency > 1
+                if above_ceiling(rec.point.loader_efficiency)
                 else ""
             ),
             soft_wrap=True,

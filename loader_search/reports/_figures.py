@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from loader_search.reports._data import ReportData, ReportTrial
-from loader_search.study import TrialPoint
+from loader_search.study import TrialPoint, above_ceiling, efficiency_text
 
 _TEMPLATE = "plotly_white"
 _COLORS = {
@@ -360,7 +360,7 @@ def efficiency_figure(data: ReportData) -> go.Figure:
             y=[t.loader_efficiency for t in rows],
             marker_color=[
                 _COLORS["failed"]
-                if (t.loader_efficiency or 0) > 1
+                if above_ceiling(t.loader_efficiency or 0)
                 else _COLORS["baseline"]
                 if t.is_baseline
                 else _COLORS["compute"]
@@ -369,8 +369,9 @@ def efficiency_figure(data: ReportData) -> go.Figure:
             text=[
                 _label(t)
                 + (
-                    f"<br>{ABOVE_CEILING}"
-                    if t.loader_efficiency is not None and t.loader_efficiency > 1
+                    f"<br>loader efficiency {efficiency_text(t.loader_efficiency)}"
+                    + (f": {ABOVE_CEILING}" if above_ceiling(t.loader_efficiency) else "")
+                    if t.loader_efficiency is not None
                     else ""
                 )
                 for t in rows

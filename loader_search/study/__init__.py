@@ -60,6 +60,8 @@ _EXPORTS = {
     "pareto_front": "loader_search.study._points",
     "is_feasible": "loader_search.study._points",
     "tolerance_limit": "loader_search.study._points",
+    "above_ceiling": "loader_search.study._efficiency",
+    "efficiency_text": "loader_search.study._efficiency",
     "StudySummary": "loader_search.study.stats",
     "Recommendation": "loader_search.study.stats",
     "PipelineView": "loader_search.study.stats",
@@ -158,10 +160,12 @@ __all__ = [
     "StudySummary",
     "TrialEvent",
     "TrialPoint",
+    "above_ceiling",
     "check_budget",
     "command_config",
     "create_session",
     "default_torch_threads",
+    "efficiency_text",
     "fit_space",
     "hardware_classes",
     "hypervolume_2d",
@@ -190,6 +194,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from loader_search.study._efficiency import above_ceiling, efficiency_text
     from loader_search.study._events import (
         EventState,
         LineReporter,

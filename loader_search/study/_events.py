@@ -11,6 +11,7 @@ from typing import Literal, Protocol, TextIO
 
 from loader_search.errors import printable
 from loader_search.params import LoaderParams
+from loader_search.study._efficiency import efficiency_text
 
 # How a trial ended, as progress reports it ("infeasible": it completed, out of memory or
 # diverged, and the sampler learns to avoid its region).
@@ -132,7 +133,9 @@ class LineReporter:
         if event.complete and event.throughput is not None and event.val_loss is not None:
             mark = "~" if event.val_loss_from else ""  # the val_loss of another trial
             efficiency = (
-                f", efficiency {event.loader_efficiency:.0%}" if event.loader_efficiency else ""
+                f", efficiency {efficiency_text(event.loader_efficiency)}"
+                if event.loader_efficiency
+                else ""
             )
             self._line(
                 f"trial #{event.number} {progress} {event.throughput:,.0f} samples/s, val_loss"
