@@ -178,3 +178,14 @@ def test_a_worker_runs_a_stored_command_only_when_named(tmp_path: Path, sqlite_u
     )
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     assert "1 complete" in allowed.stdout
+
+
+def test_the_recommended_command_line_has_the_studys_values() -> None:
+    from loader_search.params import LoaderParams
+    from loader_search.study.stats._recommend import command_line
+
+    stored = {"command": ["torchrun", "--nproc-per-node", "{ranks}", "t.py", "--lr", "{lr}"]}
+    training = {"train_samples": 4096, "batch_size": 64, "lr": 0.1, "ranks": 2}
+    line = command_line(stored, training, LoaderParams(batch_size=256))
+    assert line == "torchrun --nproc-per-node 2 t.py --lr 0.2"  # sqrt scaling: 0.1 x 2
+    assert command_line({"command": 5}, training, LoaderParams(batch_size=64)) is None

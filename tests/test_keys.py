@@ -21,6 +21,9 @@ SETTERS = ("set_user_attr", "set_system_attr")
 OTHER_MEANINGS = {
     ("loader_search/cli/_doctor.py", "device"): "a doctor check",
     ("loader_search/study/search/_pipeline.py", "device"): "a bottleneck",
+    ("loader_search/study/stats/_recommend.py", "lr"): "a training setting in the fingerprint",
+    ("loader_search/trial/_frameworks.py", "val_loss"): "the metric a Lightning module logs",
+    ("loader_search/trial/_placeholders.py", "lr"): "a command's placeholder, {lr}",
 }
 
 

@@ -37,10 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import psutil
-
 from loader_search import interrupts
 from loader_search.params import TrialLimits
+from loader_search.trial._command_group import (
+    STOP_GRACE_S,
+    remember,
+    stop_group,
+    stop_known,
+    wait,
+)
 from loader_search.trial._failures import (
     BUDGET_NOT_HONOURED,
     CRASHED,
@@ -68,7 +73,6 @@ from loader_search.trial._result import TrialResult
 HOOK_DIR = Path(__file__).parent / "_hook"
 TRIAL_DIR_ENV = "LOADER_SEARCH_TRIAL_DIR"
 OUTPUT_LINES = 40  # the command's last lines kept with a failure
-STOP_GRACE_S = 5.0  # SIGTERM, then this long before SIGKILL
 MEMORY_POLL_S = 0.5
 # Variables a command never inherits: the study's database and its password.
 _SECRET_VARS = ("LOADER_SEARCH_STORAGE", "PGPASSWORD", "MYSQL_PWD", "DATABASE_URL")
@@ -185,10 +189,10 @@ class _Command:
         try:
             result, failure = self._watch(process)
         except BaseException:  # Ctrl-C above all: nothing of the command may be left
-            _stop_group(process, grace_s=0.0)
+            stop_group(process, grace_s=0.0)
             raise
         finally:
-            _stop_known(self.known)
+            stop_known(self.known)
             reader.join(timeout=STOP_GRACE_S)
         return TrialOutcome(result, failure, time.perf_counter() - started, 0.0)
 
@@ -238,13 +242,13 @@ class _Command:
         progress = (0, 0)
         while True:
             interrupts.check()
-            ended = _wait(process, POLL_S)
+            ended = wait(process, POLL_S)
             now = time.perf_counter()
             self._look()
             if self.seen.progress != progress:
                 progress, last_progress = self.seen.progress, now
             if self.seen.hook_errors:  # the hook cannot do its part: no honest reading
-                _stop_group(process, 0.0)
+                stop_group(process, 0.0)
                 return None, failure_for(
                     NOT_APPLIED,
                     f"the loader-search hook failed in the command: {self.seen.hook_errors[0]}",
@@ -252,26 +256,26 @@ class _Command:
                 )
             refused = self._not_applied()
             if refused is not None:  # the trial would measure the script's own setting
-                _stop_group(process, 0.0)
+                stop_group(process, 0.0)
                 return None, refused
             done = self._done()
             if done is not None:
-                _stop_group(process, STOP_GRACE_S)
+                stop_group(process, STOP_GRACE_S)
                 return done, None
             if ended:
-                _stop_group(process, 0.0)  # a grandchild left behind goes with the group
+                stop_group(process, 0.0)  # a grandchild left behind goes with the group
                 self._look()
                 return None, self._ended(process.returncode)
             if now - last_progress > limits.trial_timeout_s:
-                _stop_group(process, 0.0)
+                stop_group(process, 0.0)
                 return None, self._silent(limits.trial_timeout_s)
             if now >= next_memory:
                 next_memory = now + MEMORY_POLL_S
                 used = tree_pss(process.pid)
-                _remember(process.pid, self.known)
+                remember(process.pid, self.known)
                 self.peak_pss = max(self.peak_pss, used)
                 if limits.memory_limit_bytes is not None and used > limits.memory_limit_bytes:
-                    _stop_group(process, 0.0)
+                    stop_group(process, 0.0)
                     return None, failure_for(
                         HOST_OOM,
                         f"the command used {gib(used)} of host memory (PSS of its process"
@@ -464,26 +468,6 @@ class _Command:
         return ", ".join(sites) if sites else "none"
 
 
-def _remember(pid: int, known: dict[int, float]) -> None:
-    """Add ``pid``'s descendants to ``known`` (pid: start time)."""
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                known.setdefault(child.pid, child.create_time())
-
-
-def _stop_known(known: dict[int, float]) -> None:
-    """SIGKILL every process in ``known`` still alive (the same process: its start time)."""
-    left = []
-    for pid, created in known.items():
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            if proc.create_time() == created:
-                proc.kill()
-                left.append(proc)
-    psutil.wait_procs(left, timeout=STOP_GRACE_S)
-
-
 def _used(spec: CommandSpec) -> set[str]:
     return placeholders_in(spec.argv)
 
@@ -491,34 +475,3 @@ def _used(spec: CommandSpec) -> set[str]:
 def _last(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1].strip()[:200] if lines else "(no output)"
-
-
-def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    """Whether ``process`` ended within ``timeout_s`` (it is reaped then)."""
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
-
-
-def _stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """Stop the command's whole group and every descendant that left it: SIGTERM, then
-    SIGKILL after ``grace_s``; reap the command."""
-    try:
-        descendants = psutil.Process(process.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    pgid = process.pid  # its own group: started with start_new_session
-    if grace_s > 0:
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGTERM)
-        _wait(process, grace_s)
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, signal.SIGKILL)
-    for proc in descendants:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=STOP_GRACE_S)
-    psutil.wait_procs(descendants, timeout=STOP_GRACE_S)

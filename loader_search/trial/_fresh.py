@@ -10,7 +10,7 @@ forked from the worker would (`loader_search.trial._child`), so its imports and 
 process's at its first batch, never what an earlier trial left behind. `FreshHost.prepare`
 starts it ahead of its first trial, to build while the worker does other work. A study runs
 its confirmation trials this way (``study.confirm_process = "fresh"``, the default;
-`loader_search.study._worker`). The parent's watch, limits, pinning, process group and kill
+`loader_search.study.work._worker`). The parent's watch, limits, pinning, process group and kill
 (`loader_search.trial._supervisor`) apply as to a forked child; the job travels through the
 pipe (`Start`), the workload does not, and CUDA may be initialised in the worker.
 

@@ -1,8 +1,8 @@
 """What each stage of the input pipeline costs, measured inside one training run.
 
 Throughput says how fast a setting is; stage costs say *why*, and let a model predict settings
-not yet tried (`loader_search.study._pipeline`). Three stages, in CPU seconds, which unlike wall
-time do not grow when processes contend for cores:
+not yet tried (`loader_search.study.search._pipeline`). Three stages, in CPU seconds, which
+unlike wall time do not grow when processes contend for cores:
 
 * **producer**: what a loader worker spends per sample to fetch it (read, decode, augment) and
   per batch to collate it, measured inside the worker (or in the training process when

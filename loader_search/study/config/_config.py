@@ -114,12 +114,12 @@ class StudyConfig:
     confirm_top: int = 1
     # At least 4 rounds (3 before): on a CPU's bimodal readings three rounds that agree by
     # chance gave intervals too narrow. Replayed on rounds drawn from 23 real studies' own
-    # (python -m benchmarks.stopping), 4 covered the truth in 94.8% (93.2%), erred 3.5%
+    # (python -m benchmarks stopping), 4 covered the truth in 94.8% (93.2%), erred 3.5%
     # (3.9%), at a confirmation share of 32% (29%).
     confirm_min_rounds: int = 4
     # The cap: 15 rounds. 10 cost a little less confirmation on the fifteen fresh-process
     # studies on record, but lost 3 of their 11 "faster" verdicts, true 7-8% gains, after 3-10
-    # rounds (python -m benchmarks.stopping).
+    # rounds (python -m benchmarks stopping).
     confirm_max_rounds: int = 15
     confirm_half_width: float = 0.05
     # Where a confirmation trial trains: "fresh" (the default), a child of a fresh Python

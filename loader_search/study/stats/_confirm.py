@@ -26,7 +26,7 @@ race's rounds included), or those rounds' blocks agree and decide it (surely fas
 baseline, or its interval within ``half_width`` of its estimate), or a "faster" verdict is out
 of reach (below); or when no candidate is left. Stopping once the interval clears 1 still
 favours an early high estimate a little when the speedup lies near 1: ``python -m
-benchmarks.selection`` measures both effects on simulated readings, ``python -m benchmarks
+benchmarks selection`` measures both effects on simulated readings, ``python -m benchmarks
 claims`` against a plain training loop.
 
 **Futility.** A leader close to the baseline (the case where loader workers do not pay) is
@@ -35,7 +35,7 @@ the cap and end in "no_reliable_gain" anyway. After every round the rounds ask h
 rounds left before the cap are to end "faster" (`chance_of_gain`: the predictive probability
 of group-sequential trials, which counts the uncertainty of the estimate so far as well as the
 noise of the rounds to come) and stop when it is below ``futility``. A true gain is lost this
-way only when its first rounds read far below it; ``python -m benchmarks.selection`` measures
+way only when its first rounds read far below it; ``python -m benchmarks selection`` measures
 both the rounds saved and the gains lost, with and without the rule.
 
 A reading taken while other processes kept more than `DISTURBED_LOAD` of the trial's CPUs busy
@@ -100,8 +100,8 @@ class ConfirmSettings:
     # Stop once a "faster" verdict by the cap is less likely than this (`chance_of_gain`; 0:
     # never). The code's value, not a study setting: it changes no claim's meaning. 0.3 (0.1
     # before) stated the recorded studies' claims and verdicts as well at a sixth less
-    # confirmation (python -m benchmarks.stopping); in simulation it loses some true gains at
-    # a CPU's noisiest readings (python -m benchmarks.selection).
+    # confirmation (python -m benchmarks stopping); in simulation it loses some true gains at
+    # a CPU's noisiest readings (python -m benchmarks selection).
     futility: float = 0.3
     # How the rounds' blocks are tested for a machine state that moved (`BlockTest`): the
     # code's choice too; "chi2", the test before, replays the studies recorded under it.

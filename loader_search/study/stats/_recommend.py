@@ -281,7 +281,11 @@ def command_line(
             **{k: training[k] for k in _COMMAND_TRAINING if training.get(k) is not None}
         )
         argv = [str(word) for word in command["command"]]
-        return shlex.join(render_command(argv, placeholder_values(params, settings, ranks=1)))
+        filled = placeholder_values(params, settings, ranks=1)
+        # The study's ranks as it ran them ("auto", one per GPU, torchrun takes as it is).
+        ranks = training.get("ranks", 1)
+        filled["ranks"] = str(ranks) if isinstance(ranks, (int, str)) else "1"
+        return shlex.join(render_command(argv, filled))
     except (KeyError, TypeError, ValueError):
         return None
 
