@@ -38,6 +38,9 @@ _EXPORTS = {
     "resolve_ranks": "loader_search.trial._ranks",
     "check_step_settings": "loader_search.trial._step",
     "build_loader": "loader_search.trial._loader",
+    # the gradient noise scale a trial measures (its fields of TrialResult)
+    "GradientNoiseScale": "loader_search.trial._noise",
+    "NoiseEstimate": "loader_search.trial._noise",
     # failure reasons (stored with a failed trial)
     "CUDA_OOM": "loader_search.trial._failures",
     "HOST_OOM": "loader_search.trial._failures",
@@ -65,6 +68,8 @@ __all__ = [
     "WORKER_KILLED",
     "CommandSpec",
     "FreshHost",
+    "GradientNoiseScale",
+    "NoiseEstimate",
     "TrialFailure",
     "TrialJob",
     "TrialOutcome",
@@ -101,6 +106,7 @@ if TYPE_CHECKING:
     from loader_search.trial._fresh import FreshHost
     from loader_search.trial._job import CommandSpec, TrialJob, WorkloadRecipe
     from loader_search.trial._loader import build_loader
+    from loader_search.trial._noise import GradientNoiseScale, NoiseEstimate
     from loader_search.trial._placeholders import (
         PLACEHOLDERS,
         placeholder_values,

@@ -69,6 +69,20 @@ class TrialResult:
     # A command's trial (loader_search.trial._command): where the script built the training
     # loader the trial's settings went into ("file:line").
     loader_site: str | None = None
+    # The gradient noise scale of the run (McCandlish et al. 2018, the "simple" estimator;
+    # loader_search.trial._noise): B_simple = tr(Sigma) / |G|^2 and its standard error, the
+    # two batch sizes its squared gradient norms were read at, the steps it averaged over, and
+    # its two parts (the means of the per-step estimates of |G|^2 and tr(Sigma): what pools
+    # across trials). None where not measured (ranks, a command's own loop, a BatchNorm or
+    # compiled model without accumulation); the scale alone None where the mean |G|^2 was
+    # not positive (noise swamped the signal).
+    gradient_noise_scale: float | None = None
+    gradient_noise_scale_se: float | None = None
+    noise_small_batch: int | None = None
+    noise_big_batch: int | None = None
+    noise_steps: int | None = None
+    noise_grad_sq: float | None = None
+    noise_trace: float | None = None
 
     def user_attrs(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

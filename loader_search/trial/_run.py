@@ -40,6 +40,12 @@ from loader_search.trial._ceiling import measure_ceiling, no_progress, sync_for
 from loader_search.trial._evaluate import evaluate
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter
+from loader_search.trial._noise import (
+    NoiseEstimate,
+    NoiseProbe,
+    has_batch_statistics,
+    noise_fields,
+)
 from loader_search.trial._pages import own_pages
 from loader_search.trial._ranks import (
     RankContext,
@@ -100,6 +106,7 @@ def run_trial(
     progress: Callable[[], None] | None = None,
     plan: RunPlan = FULL_RUN,
     rank: RankContext | None = None,
+    measure_noise: bool = True,
 ) -> TrialResult:
     """Train ``workload`` with ``params`` for ``settings.train_samples`` samples and measure
     (and what ``plan`` asks, see `RunPlan`).
@@ -114,6 +121,8 @@ def run_trial(
     With ``[training] ranks`` above 1 the trial runs on that many ranks
     (`loader_search.trial._ranks`): ``rank`` is this process's, and the budget, the early-stop
     mark and the window are per rank.
+
+    ``measure_noise``: read the gradient noise scale on the way (`_Run.noise_probe`).
     """
     device = torch.device(device)
     tick = progress if progress is not None else no_progress
@@ -122,13 +131,22 @@ def run_trial(
 
         def one_rank(me: RankContext) -> TrialResult:
             ping = progress if me.is_main else None
-            return run_trial(workload, params, settings, device, progress=ping, plan=plan, rank=me)
+            return run_trial(
+                workload,
+                params,
+                settings,
+                device,
+                progress=ping,
+                plan=plan,
+                rank=me,
+                measure_noise=measure_noise,
+            )
 
         return run_ranks(one_rank, world, device, tick)
     if rank is not None:
         device = rank_device(device, rank)
         plan = per_rank_plan(plan, rank.world)
-    run = _Run(workload, params, settings, device, plan, rank, tick)
+    run = _Run(workload, params, settings, device, plan, rank, tick, measure_noise)
     budget_samples = rank_budget(settings.train_samples, rank)
     steps = math.ceil(budget_samples / params.micro_batch_size)
     if steps < batches_needed(params, settings.warmup_batches):
@@ -158,6 +176,7 @@ class _Run:
     plan: RunPlan
     rank: RankContext | None
     tick: Callable[[], None]
+    measure_noise: bool = True
 
     @property
     def warmup(self) -> int:
@@ -176,6 +195,29 @@ class _Run:
     def step(self, model: torch.nn.Module) -> Step:
         return Step(
             self.workload, self.settings, model, self.device, pin_memory=self.params.pin_memory
+        )
+
+    def noise_probe(self, step: Step) -> NoiseProbe | None:
+        """What reads the gradient noise scale in this run's loop, or None where it is not
+        read: when not asked; with ranks (DDP averages the ranks' gradients on the stepping
+        micro-batch, so the big batch there is the node's, the small one a rank's: not
+        measured yet); and, without gradient accumulation, where splitting a batch in two
+        would change the run: a batch of one sample, a compiled model (the halves are a new
+        input shape, a second compilation the trial would pay and report), and a model with
+        BatchNorm (each half normalised by its own statistics).
+        """
+        params = self.params
+        if not self.measure_noise or self.rank is not None:
+            return None
+        if params.accumulation_steps == 1 and (
+            params.batch_size < 2 or step.compiled or has_batch_statistics(step.module)
+        ):
+            return None
+        return NoiseProbe(
+            list(step.module.parameters()),
+            params.batch_size,
+            params.micro_batch_size,
+            scaler=step.scaler,
         )
 
 
@@ -197,6 +239,7 @@ class _Measured:
     peak_gpu_bytes: int | None
     ceiling: float | None
     ceiling_other_load: float | None
+    noise: NoiseEstimate | None
 
     def result(self, run: _Run) -> TrialResult:
         """The measurements as a trial reports them: the window at the early-stop mark when
@@ -246,6 +289,7 @@ class _Measured:
             skipped_steps=self.step.skipped_steps if self.step.scaler is not None else None,
             slowest_step_over_median=window.slowest_step_over_median,
             window_minor_faults=window.minor_faults,
+            **noise_fields(self.noise),
         )
 
 
@@ -281,7 +325,10 @@ def _train_and_measure(run: _Run, budget_samples: int, steps: int) -> _Measured:
         budget = budget_samples
         if plan.stop_early and plan.short_samples is not None:
             budget = min(budget, plan.short_samples)
-        trained = train(step, optimizer, loader, (meter, stages), budget, params, run.tick, mark)
+        probe = run.noise_probe(step)
+        trained = train(
+            step, optimizer, loader, (meter, stages), budget, params, run.tick, mark, probe
+        )
         del loader  # shuts down persistent workers before evaluation
         train_time = time.perf_counter() - train_start
         final_loss = float(trained.last_loss)
@@ -320,6 +367,7 @@ def _train_and_measure(run: _Run, budget_samples: int, steps: int) -> _Measured:
         peak_gpu_bytes=peak_gpu,
         ceiling=ceiling,
         ceiling_other_load=other_load,
+        noise=probe.estimate() if probe is not None else None,
     )
 
 

@@ -217,6 +217,14 @@ class Step:
             return batch
         return tree_map(batch, lambda t: t[:n] if t.dim() and t.shape[0] == size else t)
 
+    def split(self, batch: Any, n: int) -> tuple[Any, Any]:
+        """``batch`` cut after its first ``n`` samples: the first ``n`` and the rest (every
+        tensor whose first dimension is the batch's size is cut; others go to both)."""
+        size = self.size(batch)
+        head = tree_map(batch, lambda t: t[:n] if t.dim() and t.shape[0] == size else t)
+        tail = tree_map(batch, lambda t: t[n:] if t.dim() and t.shape[0] == size else t)
+        return head, tail
+
     # --- training ---------------------------------------------------------------------
 
     def _autocast(self) -> Any:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from loader_search.params import LoaderParams
 from loader_search.trial._loader import ThreadLoader
 from loader_search.trial._measure import StepMeter, WindowStats
+from loader_search.trial._noise import NoiseProbe
 from loader_search.trial._stages import StageCosts, StageMeter
 from loader_search.trial._step import FirstStepClock, Step, compiled_graphs
 
@@ -61,11 +62,13 @@ def train(
     params: LoaderParams,
     progress: Callable[[], None],
     mark: Mark,
+    probe: NoiseProbe | None = None,
 ) -> LoopResult:
     """The training loop. The loader yields `TimedBatch`es (see
     `loader_search.trial._stages`); every batch goes through ``step``. With torch.compile, a
     step that compiled a new graph inside the window (a short last batch, a new shape) is
-    left out of the window and counted (`StepMeter.step`'s ``exclude``)."""
+    left out of the window and counted (`StepMeter.step`'s ``exclude``). ``probe`` reads the
+    gradient noise scale's norms (`loader_search.trial._noise`)."""
     meter, stages = meters
     step.module.train()
     meter.start()
@@ -77,7 +80,7 @@ def train(
     in_epoch = 0  # samples of this epoch so far
     batch_left = 0  # samples of the effective batch still to come as micro-batches
     batch_samples = 0  # what the effective batch averages over
-    loss = torch.zeros(())
+    loss = torch.zeros(())  # the last micro-batch's mean loss, detached
     first: torch.Tensor | None = None
     in_process = params.num_workers == 0  # threads, like worker processes, produce aside
     clock = FirstStepClock(step)
@@ -112,13 +115,9 @@ def train(
             batch_left = batch_samples
             optimizer.zero_grad(set_to_none=True)
         with step.no_sync(batch_left - n > 0):  # DDP: all-reduce on the stepping one only
-            loss = step.loss(batch)
+            loss = _backward(step, batch, n, batch_samples, batch_left, params, probe)
             if first is None:
-                first = loss.detach()  # the untrained model's loss: before its first step
-            if params.accumulation_steps > 1:  # weighted so that the sum is the batch's mean
-                step.backward(loss * (n / batch_samples))
-            else:
-                step.backward(loss)
+                first = loss  # the untrained model's loss: before its first step
         batch_left -= n
         if batch_left <= 0:
             step.optimizer_step(optimizer)
@@ -144,10 +143,51 @@ def train(
     costs = stages.snapshot()
     del iterator
     return LoopResult(
-        loss.detach(),
-        loss.detach() if first is None else first,
+        loss,
+        loss if first is None else first,
         epochs,
         stats,
         costs,
         clock.seconds,
     )
+
+
+def _backward(
+    step: Step,
+    batch: Any,
+    n: int,
+    batch_samples: int,
+    batch_left: int,
+    params: LoaderParams,
+    probe: NoiseProbe | None,
+) -> torch.Tensor:
+    """The forward and backward passes of one loader batch of ``n`` samples, of an effective
+    batch of ``batch_samples`` with ``batch_left`` still to train; its mean loss, detached.
+
+    With accumulation, each micro-batch's loss is weighted by its share of the batch, so that
+    the gradients sum to the batch's mean. A batch the noise probe measures by splitting it is
+    trained as two such pieces (`NoiseProbe.split_at`); the probe reads the gradient after the
+    effective batch's first piece (the small batch's gradient: nothing else is in it yet) and
+    after its last (the whole batch's, before the optimizer steps on it).
+    """
+    if probe is not None and batch_left == batch_samples:
+        probe.begin(batch_samples)
+    cut = probe.split_at(n) if probe is not None else None
+    pieces = [(batch, n)]
+    if cut is not None:
+        head, tail = step.split(batch, cut)
+        pieces = [(head, cut), (tail, n - cut)]
+    weighted = params.accumulation_steps > 1 or cut is not None
+    total: torch.Tensor | None = None
+    for index, (piece, size) in enumerate(pieces):
+        loss = step.loss(piece)
+        weight = size / batch_samples
+        step.backward(loss * weight if weighted else loss)
+        if probe is not None and index == 0 and batch_left == batch_samples:
+            probe.small(size, weight)
+        part = loss.detach() * (size / n) if cut is not None else loss.detach()
+        total = part if total is None else total + part
+    if probe is not None and batch_left <= n:
+        probe.big()
+    assert total is not None
+    return total

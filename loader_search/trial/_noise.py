@@ -1,0 +1,257 @@
+"""The gradient noise scale of a trial's training, measured in its own loop.
+
+McCandlish et al. (2018), "An Empirical Model of Large-Batch Training", appendix A.1, the
+"simple" estimator. The squared norm of a mean gradient over ``B`` samples has expectation
+``|G|^2 + tr(Sigma)/B`` (``G`` the true gradient, ``Sigma`` the per-sample gradients'
+covariance), so squared norms at two batch sizes ``b < B`` give unbiased estimates of both
+parts, step by step::
+
+    |G|^2     ~ (B |G_B|^2 - b |G_b|^2) / (B - b)
+    tr(Sigma) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
+
+Each is averaged over the measured steps on its own (plain means: a trial is short, and one
+figure for its run is what it reports), and ``B_simple = tr(Sigma) / |G|^2`` is their ratio.
+
+Where the two sizes come from (`NoiseProbe`): a trial with gradient accumulation already has
+them, its first micro-batch's gradient (``b``, the micro-batch) and the accumulated one
+(``B``, the batch), read from the gradients the step computes anyway. Without accumulation a
+measured batch is trained as two halves with the gradients accumulated: the same samples and
+the same update, up to floating point, for a model that treats its samples independently.
+A model with BatchNorm normalises each half by that half's statistics instead (a "ghost
+batch" of ``B/2``) and updates its running statistics twice: a real, if small, change to
+training, which is why such a model is split only where `NoiseProbe` is told it may be.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Contiguous blocks of steps the standard error is computed from (batch means): the steps of
+# one trial are correlated (the parameters drift), blocks of many steps much less so.
+MAX_BLOCKS = 10
+
+
+@dataclass(frozen=True)
+class NoiseEstimate:
+    """One trial's noise scale and its parts (see the module docstring).
+
+    ``grad_sq`` and ``trace`` are the means over ``steps`` steps of the per-step estimates of
+    ``|G|^2`` and ``tr(Sigma)``; a study that pools trials should pool these, not the
+    ratios. ``scale`` is None where ``grad_sq`` is not positive: the noise swamped the signal
+    and the ratio means nothing; it is below zero where ``trace`` is (hardly any noise: the
+    trace's estimate is then within its error of zero), kept as it is, not clipped.
+    ``standard_error`` is the delta-method standard error of the ratio from batch means
+    (`GradientNoiseScale.standard_error`), None with fewer than two blocks.
+    """
+
+    scale: float | None
+    standard_error: float | None
+    small_batch: int
+    big_batch: int
+    steps: int
+    grad_sq: float
+    trace: float
+
+
+class GradientNoiseScale:
+    """The simple estimator's state: the per-step estimates of ``|G|^2`` and ``tr(Sigma)``
+    from squared gradient norms at ``small_batch`` and ``big_batch`` samples."""
+
+    def __init__(self, small_batch: int, big_batch: int) -> None:
+        if not 0 < small_batch < big_batch:
+            raise ValueError(
+                f"the two batch sizes must satisfy 0 < small < big, got {small_batch}, {big_batch}"
+            )
+        self.small_batch = small_batch
+        self.big_batch = big_batch
+        self._grad_sq: list[float] = []
+        self._trace: list[float] = []
+
+    @property
+    def steps(self) -> int:
+        return len(self._grad_sq)
+
+    def update(self, small_sq: float, big_sq: float) -> None:
+        """One step's squared norms: of a mean gradient over ``small_batch`` samples and of
+        one over ``big_batch`` samples that include them (or not: independence is not
+        needed, only the two expectations). A non-finite pair (an fp16 overflow) is
+        skipped."""
+        if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
+            return
+        b, big = self.small_batch, self.big_batch
+        self._grad_sq.append((big * big_sq - b * small_sq) / (big - b))
+        self._trace.append((small_sq - big_sq) / (1 / b - 1 / big))
+
+    def estimate(self) -> NoiseEstimate | None:
+        """The estimate over the steps so far, None before the first."""
+        if not self._grad_sq:
+            return None
+        grad_sq = math.fsum(self._grad_sq) / self.steps
+        trace = math.fsum(self._trace) / self.steps
+        return NoiseEstimate(
+            scale=trace / grad_sq if grad_sq > 0 else None,
+            standard_error=self.standard_error(),
+            small_batch=self.small_batch,
+            big_batch=self.big_batch,
+            steps=self.steps,
+            grad_sq=grad_sq,
+            trace=trace,
+        )
+
+    def standard_error(self) -> float | None:
+        """The standard error of ``B_simple = mean(trace) / mean(grad_sq)``, by the delta
+        method over batch means: the steps are cut into at most `MAX_BLOCKS` contiguous
+        blocks, and the spread of ``trace_j - B_simple * grad_sq_j`` over the blocks (block
+        means ``_j``, weighted by their steps) is the ratio's.
+
+        What it covers: the sampling noise of the trial's batches, and the drift of the
+        parameters over the run (a block late in training differs from an early one), so it
+        is the uncertainty of this run's average, not of the noise scale at one point of
+        training. With few blocks (a short trial) it is itself rough: about ``1/sqrt(2(K-1))``
+        relative error for ``K`` blocks. None with fewer than two blocks or no positive
+        ``|G|^2``.
+        """
+        steps = self.steps
+        blocks = min(MAX_BLOCKS, steps)
+        grad_sq = math.fsum(self._grad_sq) / steps if steps else 0.0
+        if blocks < 2 or grad_sq <= 0:
+            return None
+        ratio = math.fsum(self._trace) / steps / grad_sq
+        bounds = [round(i * steps / blocks) for i in range(blocks + 1)]
+        total = 0.0
+        for start, end in itertools.pairwise(bounds):
+            residual = math.fsum(
+                t - ratio * g
+                for t, g in zip(self._trace[start:end], self._grad_sq[start:end], strict=True)
+            )
+            total += residual**2  # (n_j * mean residual_j)^2
+        variance = total / steps**2 * blocks / (blocks - 1)
+        return math.sqrt(variance) / grad_sq
+
+
+def squared_grad_norm(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The squared L2 norm of all the parameters' gradients together, as a tensor on their
+    device (reading it would synchronise a GPU every step: the values are read once, at the
+    end of the run)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=parameters[0].device if parameters else None)
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+    return norm.detach().float() ** 2
+
+
+def has_batch_statistics(model: nn.Module) -> bool:
+    """Whether ``model`` normalises by batch statistics in training (BatchNorm and its
+    kinds): splitting a batch changes its forward pass."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+class NoiseProbe:
+    """Collects squared gradient norms in the training loop, for `GradientNoiseScale`.
+
+    ``big_batch`` is the trial's effective batch; only full batches are measured (an epoch's
+    or the budget's last, shorter one is not), so both sizes are the same on every measured
+    step. ``micro_batch`` below ``big_batch`` (accumulation): the first micro-batch's gradient
+    is the small one. Equal to it: a measured batch is split in two halves (``split``), the
+    first half the small one. ``every``: measure every that many full batches (1: all).
+
+    The norms stay tensors on the device until `estimate`, so measuring adds no device
+    synchronisation to a step; with fp16 gradient scaling the scale is read (a sync the
+    scaler's step makes anyway) to unscale them.
+    """
+
+    def __init__(
+        self,
+        parameters: Sequence[nn.Parameter],
+        big_batch: int,
+        micro_batch: int,
+        *,
+        every: int = 1,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        self.split = micro_batch == big_batch
+        small = big_batch // 2 if self.split else micro_batch
+        if small < 1:
+            raise ValueError(f"a batch of {big_batch} cannot be split for the noise scale")
+        self._parameters = list(parameters)
+        self._estimator = GradientNoiseScale(small, big_batch)
+        self._every = every
+        self._scaler = scaler
+        self._full_batches = 0
+        self._measuring = False
+        self._small: list[torch.Tensor] = []
+        self._big: list[torch.Tensor] = []
+
+    @property
+    def small_batch(self) -> int:
+        return self._estimator.small_batch
+
+    def begin(self, batch_samples: int) -> None:
+        """An effective batch of ``batch_samples`` begins: measured when it is full and its
+        turn has come."""
+        self._measuring = False
+        if batch_samples == self._estimator.big_batch:
+            self._measuring = self._full_batches % self._every == 0
+            self._full_batches += 1
+
+    def split_at(self, n: int) -> int | None:
+        """Where to cut a loader batch of ``n`` samples for the measurement (None: train it
+        whole)."""
+        if self.split and self._measuring and n == self._estimator.big_batch:
+            return self.small_batch
+        return None
+
+    def small(self, samples: int, weight: float) -> None:
+        """After the backward pass of the effective batch's first piece, of ``samples``
+        samples, whose mean loss was scaled by ``weight`` (its share of the batch)."""
+        if not self._measuring or samples != self.small_batch:
+            self._measuring = False  # a piece of another size: not this step
+            return
+        self._small.append(self._unscaled(squared_grad_norm(self._parameters)) / weight**2)
+
+    def big(self) -> None:
+        """After the last backward pass of the effective batch, before the optimizer step."""
+        if self._measuring and len(self._big) < len(self._small):
+            self._big.append(self._unscaled(squared_grad_norm(self._parameters)))
+        self._measuring = False
+
+    def _unscaled(self, squared: torch.Tensor) -> torch.Tensor:
+        if self._scaler is None:
+            return squared
+        return squared / self._scaler.get_scale() ** 2
+
+    def estimate(self) -> NoiseEstimate | None:
+        """The trial's estimate from what was collected (one device read), None when no
+        step was measured."""
+        pairs = min(len(self._small), len(self._big))
+        if pairs == 0:
+            return None
+        values: list[Any] = torch.stack(
+            [torch.stack(self._small[:pairs]), torch.stack(self._big[:pairs])]
+        ).tolist()
+        for small_sq, big_sq in zip(values[0], values[1], strict=True):
+            self._estimator.update(float(small_sq), float(big_sq))
+        del self._small[:pairs], self._big[:pairs]  # fed once: a second call adds nothing
+        return self._estimator.estimate()
+
+
+def noise_fields(estimate: NoiseEstimate | None) -> dict[str, Any]:
+    """`TrialResult`'s noise-scale fields for ``estimate`` (all None when not measured)."""
+    if estimate is None:
+        return {}
+    return {
+        "gradient_noise_scale": estimate.scale,
+        "gradient_noise_scale_se": estimate.standard_error,
+        "noise_small_batch": estimate.small_batch,
+        "noise_big_batch": estimate.big_batch,
+        "noise_steps": estimate.steps,
+        "noise_grad_sq": estimate.grad_sq,
+        "noise_trace": estimate.trace,
+    }

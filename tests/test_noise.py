@@ -1,0 +1,307 @@
+"""The gradient noise scale a trial measures in its own loop (loader_search.trial._noise):
+real training runs, checked against a noise scale computed exactly.
+
+Run as a module (``python -m tests.test_noise [rounds]``) it measures what the probe costs on
+the quickstart workload instead (see `measure_cost`)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from loader_search.params import LoaderParams, TrainingSettings
+from loader_search.trial import TrialResult, run_trial
+from loader_search.trial._noise import GradientNoiseScale
+from loader_search.workloads import Workload, load_workload
+
+N, D = 4096, 16  # the least-squares data set: samples, features
+BATCH = 64
+
+
+def _least_squares() -> tuple[Workload, float]:
+    """y = X w* + noise on a fixed data set, a linear model held at w0 != w* (the optimizer's
+    learning rate is 0, so the gradient's mean and covariance never move), and the noise
+    scale the estimator should find there, computed exactly from the per-sample gradients.
+
+    The loss is the mean of (x.w - y)^2, so a sample's gradient is 2 (x.w0 - y) x: G is their
+    mean and Sigma their covariance over the N samples. The loader draws each batch without
+    replacement from the N samples, so a batch mean's covariance is Sigma/b (N-b)/(N-1) (Sigma
+    with 1/N); in expectation the per-step estimates are then tr(Sigma_{N-1}) and
+    |G|^2 - tr(Sigma_N)/(N-1), and their ratio is the target (2% above tr(Sigma)/|G|^2 here).
+    """
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(N, D, generator=generator, dtype=torch.float64)
+    w_star = torch.randn(D, generator=generator, dtype=torch.float64)
+    y = x @ w_star + 0.5 * torch.randn(N, generator=generator, dtype=torch.float64)
+    w0 = w_star + 0.05 * torch.randn(D, generator=generator, dtype=torch.float64)
+    per_sample = 2 * (x @ w0 - y)[:, None] * x
+    mean = per_sample.mean(0)
+    trace = float(torch.cov(per_sample.T).trace())  # 1/(N-1)
+    target = trace / (float(mean.square().sum()) - trace / N)
+
+    def make_model() -> nn.Module:
+        model = nn.Linear(D, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(w0.float()[None])
+        return model
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs.squeeze(-1), targets)
+
+    workload = Workload(
+        name="least-squares",
+        train_dataset=TensorDataset(x.float(), y.float()),
+        val_dataset=TensorDataset(x[:256].float(), y[:256].float()),
+        make_model=make_model,
+        loss_fn=loss_fn,
+        make_optimizer=lambda parameters, lr: torch.optim.SGD(parameters, lr=0.0),
+    )
+    return workload, target
+
+
+def test_the_estimators_formulas_give_back_a_known_split() -> None:
+    # Squared norms at their expectations, |G|^2 + tr(Sigma)/B, give |G|^2 and tr(Sigma)
+    # back exactly, whatever the two sizes.
+    grad_sq, trace = 2.0, 300.0
+    for small, big in ((16, 64), (32, 64), (1, 3)):
+        estimator = GradientNoiseScale(small, big)
+        for _ in range(3):
+            estimator.update(grad_sq + trace / small, grad_sq + trace / big)
+        estimate = estimator.estimate()
+        assert estimate is not None and estimate.steps == 3
+        assert estimate.grad_sq == pytest.approx(grad_sq)
+        assert estimate.trace == pytest.approx(trace)
+        assert estimate.scale == pytest.approx(trace / grad_sq)
+        assert estimate.standard_error == pytest.approx(0.0, abs=1e-6)
+    # Noise swamping the signal: a negative mean |G|^2 has no ratio.
+    swamped = GradientNoiseScale(32, 64)
+    swamped.update(1.0, 0.4)
+    swamped.update(1.0, 0.4)
+    estimate = swamped.estimate()
+    assert estimate is not None and estimate.grad_sq == pytest.approx(-0.2)
+    assert estimate.scale is None and estimate.standard_error is None
+    # Hardly any noise: the trace's estimate may come out below zero, and so the ratio (kept:
+    # it is within its error of zero, and a study pools the parts, not the ratios).
+    quiet = GradientNoiseScale(32, 64)
+    quiet.update(1.0, 1.2)
+    estimate = quiet.estimate()
+    assert estimate is not None and estimate.scale is not None and estimate.scale < 0
+    # A pair with an fp16 overflow is left out.
+    quiet.update(float("inf"), 1.0)
+    assert quiet.steps == 1
+    assert GradientNoiseScale(32, 64).estimate() is None  # no step, no estimate
+    with pytest.raises(ValueError, match="0 < small < big"):
+        GradientNoiseScale(64, 64)
+
+
+@pytest.mark.parametrize(
+    ("accumulation_steps", "small"),
+    [(1, BATCH // 2), (4, BATCH // 4)],
+    ids=["split-in-two", "accumulated-micro-batches"],
+)
+def test_a_trial_recovers_the_exact_noise_scale_of_least_squares(
+    accumulation_steps: int, small: int
+) -> None:
+    workload, target = _least_squares()
+    assert 50 < target < 200  # the regime it is for: B_noise of the order of the batch
+    steps = 1000
+    result = run_trial(
+        workload,
+        LoaderParams(batch_size=BATCH, accumulation_steps=accumulation_steps),
+        TrainingSettings(train_samples=steps * BATCH, batch_size=BATCH, warmup_batches=1),
+    )
+    assert result.noise_small_batch == small and result.noise_big_batch == BATCH
+    assert result.noise_steps == steps  # N is a multiple of the batch: every batch is full
+    scale, error = result.gradient_noise_scale, result.gradient_noise_scale_se
+    assert scale is not None and error is not None
+    # The standard error is tight enough to mean something (about 6% here), and it covers
+    # the truth at 3 standard errors: a wrong weight, a swapped size or a missing unscaling
+    # of the micro-batch's gradient moves the estimate by 25% or more.
+    assert error < 0.1 * target
+    assert abs(scale - target) < 3 * error
+    assert result.noise_trace is not None and result.noise_grad_sq is not None
+    assert result.noise_trace / result.noise_grad_sq == pytest.approx(scale)
+
+
+def _linear_classifier() -> Workload:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=generator)
+    y = (x[:, 0] + 0.5 * torch.randn(512, generator=generator) > 0).long()
+    return Workload(
+        name="linear",
+        train_dataset=TensorDataset(x, y),
+        val_dataset=TensorDataset(x[:128], y[:128]),
+        make_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)),
+    )
+
+
+def test_splitting_batches_to_measure_leaves_training_unchanged() -> None:
+    # A model that treats samples independently: the halves' weighted gradients sum to the
+    # batch's, so the run is the same up to floating point (with momentum SGD and 12 epochs,
+    # any difference in the update would grow).
+    workload = _linear_classifier()
+    settings = TrainingSettings(train_samples=6000, batch_size=BATCH, warmup_batches=1)
+    params = LoaderParams(batch_size=BATCH)
+    on = run_trial(workload, params, settings)
+    off = run_trial(workload, params, settings, measure_noise=False)
+    assert on.val_loss is not None and off.val_loss is not None
+    assert on.val_loss == pytest.approx(off.val_loss, rel=1e-5)
+    assert on.final_train_loss == pytest.approx(off.final_train_loss, rel=1e-5)
+    assert on.untrained_loss == pytest.approx(off.untrained_loss, rel=1e-6)
+    assert off.gradient_noise_scale is None and off.noise_steps is None
+    # 512 samples = 8 full batches an epoch; the run's last batch (6000 = 93 x 64 + 48) is
+    # short and not measured.
+    assert on.noise_steps == 93 and on.noise_small_batch == BATCH // 2
+    # Trained to convergence, the mean gradient is within its noise of zero (the mean |G|^2
+    # came out negative here): the parts are stored, the ratio is not.
+    assert "noise_trace" in on.user_attrs() and "noise_steps" not in off.user_attrs()
+
+
+def _images_noise(seed: int, accumulation_steps: int) -> TrialResult:
+    workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
+    params = LoaderParams(batch_size=BATCH, accumulation_steps=accumulation_steps)
+    return run_trial(workload, params, TrainingSettings(seed=seed))
+
+
+def test_synthetic_images_noise_scale_is_stable_across_seeds() -> None:
+    # The quickstart's CNN has BatchNorm: split in two, each half would be normalised by its
+    # own statistics (a different training run), so a batch trained whole is not measured;
+    # trained as 2 x 32 micro-batches it is, from the micro-batches it trains anyway.
+    whole = _images_noise(0, 1)
+    assert whole.gradient_noise_scale is None and whole.noise_steps is None
+    scales = []
+    for seed in (0, 1):
+        result = _images_noise(seed, 2)
+        scale, error = result.gradient_noise_scale, result.gradient_noise_scale_se
+        assert scale is not None and error is not None and math.isfinite(scale)
+        assert result.noise_steps == 128 and result.noise_small_batch == BATCH // 2
+        # Positive, and of the order of the batch sizes a study tries (measured: 125 and 155).
+        assert 10 < scale < 2000
+        assert 0 < error < scale
+        scales.append(scale)
+    # "Stable" here: the two seeds' figures within a factor of 2 of each other (the standard
+    # errors are about 20-25% each, the seeds differ in initial weights and order).
+    assert max(scales) / min(scales) < 2
+
+
+def _step_costs(repeats: int, steps: int) -> None:
+    """The probe's cost per training step, the loader left out: the quickstart's step on
+    pre-decoded batches of 64 (one torch thread), four ways in turn, step by step (a busy
+    machine slows all four alike): off (the batch whole), split (two halves, norms read:
+    what a measured step costs where the probe splits), and as 2 x 32 micro-batches without
+    and with the norms read (what it costs where it uses accumulation's micro-batches).
+    Prints per repeat each way's median step time."""
+    from torch.utils.data import DataLoader
+
+    from loader_search.trial._noise import NoiseProbe
+    from loader_search.trial._step import Step
+    from loader_search.trial._train import _backward
+
+    torch.set_num_threads(1)
+    workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
+    loader = DataLoader(workload.train_dataset, batch_size=BATCH)
+    batches = [batch for _, batch in zip(range(16), loader, strict=False)]
+    torch.manual_seed(0)
+    model = workload.make_model()
+    step = Step(workload, TrainingSettings(), model, torch.device("cpu"))
+    optimizer = workload.make_optimizer(model.parameters(), workload.base_lr)
+    whole, halves = (
+        LoaderParams(batch_size=BATCH),
+        LoaderParams(batch_size=BATCH, accumulation_steps=2),
+    )
+    parameters = list(model.parameters())
+    half = BATCH // 2
+
+    def one(way: str, batch: object) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        probe = None
+        if way in ("split", "2x32 on"):
+            probe = NoiseProbe(parameters, BATCH, BATCH if way == "split" else half)
+        if way in ("off", "split"):
+            _backward(step, batch, BATCH, BATCH, BATCH, whole, probe)
+        else:
+            head, tail = step.split(batch, half)
+            _backward(step, head, half, BATCH, BATCH, halves, probe)
+            _backward(step, tail, half, BATCH, half, halves, probe)
+        optimizer.step()
+        if probe is not None:
+            probe.estimate()
+
+    ways = ["off", "split", "2x32 off", "2x32 on"]
+    for index in range(4 * len(ways)):  # warm-up
+        one(ways[index % len(ways)], batches[index % len(batches)])
+    for repeat in range(repeats):
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for index in range(steps * len(ways)):
+            way = ways[(index + index // len(ways)) % len(ways)]  # each way after each other
+            began = time.perf_counter()
+            one(way, batches[index % len(batches)])
+            times[way].append(time.perf_counter() - began)
+        medians = {way: statistics.median(values) for way, values in times.items()}
+        print(
+            f"repeat {repeat}: "
+            + ", ".join(f"{way} {1000 * value:.2f} ms" for way, value in medians.items())
+            + f"; split/off {medians['split'] / medians['off']:.3f},"
+            f" 2x32 on/off {medians['2x32 on'] / medians['2x32 off']:.3f}",
+            flush=True,
+        )
+
+
+def measure_cost(rounds: int) -> None:
+    """Throughput of quickstart trials (synthetic-images, 4096 training images, batch 64,
+    default training settings) with the probe on and off, interleaved in one process, for
+    num_workers 0 and 1: off (whole batches), the batch split in two with the norms read
+    (what the probe costs where it splits: forced here on this BatchNorm model, which the
+    probe does not split), and 2 x 32 accumulation without and with the probe (the cost of
+    the norms alone). Prints each reading, then per pair the medians, ranges and the median
+    of the paired on/off ratios."""
+    import loader_search.trial._run as run_module
+
+    workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
+    # The split of a BatchNorm model, forced by replacing the rule's test in the run module
+    # for the "split" readings: what the split costs does not depend on the model's layers.
+    rules = run_module.__dict__
+    real = rules["has_batch_statistics"]
+    configs = [
+        (workers, acc, mode)
+        for workers in (0, 1)
+        for acc, mode in ((1, "off"), (1, "split"), (2, "off"), (2, "on"))
+    ]
+    readings: dict[tuple[int, int, str], list[float]] = {c: [] for c in configs}
+    for index in range(rounds):
+        turn = index % len(configs)
+        for config in configs[turn:] + configs[:turn]:  # each round starts elsewhere
+            workers, acc, mode = config
+            rules["has_batch_statistics"] = (lambda _: False) if mode == "split" else real
+            params = LoaderParams(
+                batch_size=BATCH,
+                num_workers=workers,
+                prefetch_factor=2 if workers else None,
+                accumulation_steps=acc,
+            )
+            result = run_trial(workload, params, TrainingSettings(), measure_noise=mode != "off")
+            readings[config].append(result.throughput_samples_per_s)
+            print(index, config, round(result.throughput_samples_per_s), flush=True)
+    rules["has_batch_statistics"] = real
+    for workers in (0, 1):
+        for acc, on_mode in ((1, "split"), (2, "on")):
+            off, on = readings[(workers, acc, "off")], readings[(workers, acc, on_mode)]
+            ratios = [b / a for a, b in zip(off, on, strict=True)]
+            print(
+                f"workers={workers} accumulation={acc}: off {statistics.median(off):.0f}"
+                f" [{min(off):.0f}-{max(off):.0f}], {on_mode} {statistics.median(on):.0f}"
+                f" [{min(on):.0f}-{max(on):.0f}] samples/s; paired {on_mode}/off median"
+                f" {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
+            )
+
+
+if __name__ == "__main__":
+    _step_costs(repeats=5, steps=100)
+    measure_cost(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
