@@ -20,6 +20,7 @@ This module imports neither Optuna nor (at import time) torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import multiprocessing
 import os
@@ -263,9 +264,7 @@ def _fresh_trial(
     die_with_parent(host_pid)
     message: Ended
     try:
-        job = TrialJob(
-            workload, start.params, start.settings, device, start.plan, start.cpus, start.gpu
-        )
+        job = dataclasses.replace(start.job, workload=workload, device=device)
         message = train_and_report(conn, job, device)
         gc.collect()  # a loader held by a reference cycle lets its workers go now
     except BaseException as exc:  # everything is reported; the process ends right after

@@ -72,7 +72,10 @@ class TrialJob:
     command: CommandSpec | None = None
 
     def __post_init__(self) -> None:
-        if (self.workload is None) == (self.command is None):
+        # A workload: built, or rebuilt from its recipe where the job crosses to a fresh
+        # process (a workload holds functions that do not cross a pipe); or a command.
+        trains = self.workload is not None or self.fresh is not None
+        if trains == (self.command is not None):
             raise ValueError("a TrialJob trains either a workload or a command")
 
     @property

@@ -18,25 +18,36 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from loader_search.params import LoaderParams, RunPlan, TrainingSettings
     from loader_search.trial._failures import TrialFailure
-    from loader_search.trial._job import WorkloadRecipe
+    from loader_search.trial._job import TrialJob, WorkloadRecipe
     from loader_search.trial._result import TrialResult
 
 
 @dataclass(frozen=True)
 class Start:
-    """What a fresh trial process is to run: a `TrialJob`'s fields but its workload, which
-    the process builds from ``recipe``."""
+    """What a fresh trial process is to run: the `TrialJob` itself, whole but for its
+    workload, which the process builds from the job's ``fresh`` recipe (a workload holds
+    functions that do not cross a pipe)."""
 
-    recipe: WorkloadRecipe
-    params: LoaderParams
-    settings: TrainingSettings
-    device: str
-    plan: RunPlan
-    cpus: Sequence[int] | None
-    gpu: int | None
+    job: TrialJob
     last: bool = False  # end after this trial, instead of waiting for the next `Start`
+
+    @property
+    def recipe(self) -> WorkloadRecipe:
+        assert self.job.fresh is not None
+        return self.job.fresh
+
+    @property
+    def device(self) -> str:
+        return str(self.job.device)
+
+    @property
+    def cpus(self) -> Sequence[int] | None:
+        return self.job.cpus
+
+    @property
+    def gpu(self) -> int | None:
+        return self.job.gpu
 
 
 @dataclass(frozen=True)

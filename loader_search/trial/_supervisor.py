@@ -219,18 +219,7 @@ class _Supervisor:
         kept = False
         try:
             with contextlib.suppress(OSError):  # it died: the watch sees how
-                conn.send(
-                    Start(
-                        job.fresh,  # type: ignore[arg-type]
-                        job.params,
-                        job.settings,
-                        str(job.device),
-                        job.plan,
-                        job.cpus,
-                        job.gpu,
-                        last=not keep,
-                    )
-                )
+                conn.send(Start(dataclasses.replace(job, workload=None), last=not keep))
             outcome = self._watch(process, conn, started, keep=keep)
             kept = outcome.exitcode is None
             return outcome
