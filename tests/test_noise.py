@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.trial import TrialResult, run_trial
-from loader_search.trial._noise import GradientNoiseScale
+from loader_search.trial._noise import SPLIT_EVERY, GradientNoiseScale
 from loader_search.workloads import Workload, load_workload
 
 N, D = 4096, 16  # the least-squares data set: samples, features
@@ -102,23 +102,23 @@ def test_the_estimators_formulas_give_back_a_known_split() -> None:
 
 
 @pytest.mark.parametrize(
-    ("accumulation_steps", "small"),
-    [(1, BATCH // 2), (4, BATCH // 4)],
+    ("accumulation_steps", "small", "every"),
+    [(1, BATCH // 2, SPLIT_EVERY), (4, BATCH // 4, 1)],
     ids=["split-in-two", "accumulated-micro-batches"],
 )
 def test_a_trial_recovers_the_exact_noise_scale_of_least_squares(
-    accumulation_steps: int, small: int
+    accumulation_steps: int, small: int, every: int
 ) -> None:
     workload, target = _least_squares()
     assert 50 < target < 200  # the regime it is for: B_noise of the order of the batch
-    steps = 1000
+    steps = 1000 * every  # a split batch is measured one in SPLIT_EVERY
     result = run_trial(
         workload,
         LoaderParams(batch_size=BATCH, accumulation_steps=accumulation_steps),
         TrainingSettings(train_samples=steps * BATCH, batch_size=BATCH, warmup_batches=1),
     )
     assert result.noise_small_batch == small and result.noise_big_batch == BATCH
-    assert result.noise_steps == steps  # N is a multiple of the batch: every batch is full
+    assert result.noise_steps == 1000  # N is a multiple of the batch: every batch is full
     scale, error = result.gradient_noise_scale, result.gradient_noise_scale_se
     assert scale is not None and error is not None
     # The standard error is tight enough to mean something (about 6% here), and it covers
@@ -157,8 +157,8 @@ def test_splitting_batches_to_measure_leaves_training_unchanged() -> None:
     assert on.untrained_loss == pytest.approx(off.untrained_loss, rel=1e-6)
     assert off.gradient_noise_scale is None and off.noise_steps is None
     # 512 samples = 8 full batches an epoch; the run's last batch (6000 = 93 x 64 + 48) is
-    # short and not measured.
-    assert on.noise_steps == 93 and on.noise_small_batch == BATCH // 2
+    # short and not measured; of the 93 full ones, one in SPLIT_EVERY (the first included).
+    assert on.noise_steps == -(-93 // SPLIT_EVERY) and on.noise_small_batch == BATCH // 2
     # Trained to convergence, the mean gradient is within its noise of zero (the mean |G|^2
     # came out negative here): the parts are stored, the ratio is not.
     assert "noise_trace" in on.user_attrs() and "noise_steps" not in off.user_attrs()
@@ -269,26 +269,27 @@ def measure_cost(rounds: int) -> None:
     # for the "split" readings: what the split costs does not depend on the model's layers.
     rules = run_module.__dict__
     real = rules["has_batch_statistics"]
-    configs = [
-        (workers, acc, mode)
-        for workers in (0, 1)
-        for acc, mode in ((1, "off"), (1, "split"), (2, "off"), (2, "on"))
-    ]
-    readings: dict[tuple[int, int, str], list[float]] = {c: [] for c in configs}
+    pairs = [(workers, acc, on) for workers in (0, 1) for acc, on in ((1, "split"), (2, "on"))]
+    readings: dict[tuple[int, int, str], list[float]] = {}
     for index in range(rounds):
-        turn = index % len(configs)
-        for config in configs[turn:] + configs[:turn]:  # each round starts elsewhere
-            workers, acc, mode = config
-            rules["has_batch_statistics"] = (lambda _: False) if mode == "split" else real
-            params = LoaderParams(
-                batch_size=BATCH,
-                num_workers=workers,
-                prefetch_factor=2 if workers else None,
-                accumulation_steps=acc,
-            )
-            result = run_trial(workload, params, TrainingSettings(), measure_noise=mode != "off")
-            readings[config].append(result.throughput_samples_per_s)
-            print(index, config, round(result.throughput_samples_per_s), flush=True)
+        for workers, acc, on_mode in pairs:
+            # Each pair back to back, in turn off first and on first: what the trial before
+            # leaves behind (its workers exiting, its memory) falls on both alike.
+            modes = ("off", on_mode) if index % 2 == 0 else (on_mode, "off")
+            for mode in modes:
+                rules["has_batch_statistics"] = (lambda _: False) if mode == "split" else real
+                params = LoaderParams(
+                    batch_size=BATCH,
+                    num_workers=workers,
+                    prefetch_factor=2 if workers else None,
+                    accumulation_steps=acc,
+                )
+                result = run_trial(
+                    workload, params, TrainingSettings(), measure_noise=mode != "off"
+                )
+                throughput = result.throughput_samples_per_s
+                readings.setdefault((workers, acc, mode), []).append(throughput)
+                print(index, (workers, acc, mode), round(throughput), flush=True)
     rules["has_batch_statistics"] = real
     for workers in (0, 1):
         for acc, on_mode in ((1, "split"), (2, "on")):

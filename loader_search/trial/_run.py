@@ -41,6 +41,7 @@ from loader_search.trial._evaluate import evaluate
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter
 from loader_search.trial._noise import (
+    SPLIT_EVERY,
     NoiseEstimate,
     NoiseProbe,
     has_batch_statistics,
@@ -217,6 +218,7 @@ class _Run:
             list(step.module.parameters()),
             params.batch_size,
             params.micro_batch_size,
+            every=SPLIT_EVERY if params.accumulation_steps == 1 else 1,  # what it costs
             scaler=step.scaler,
         )
 
