@@ -40,7 +40,7 @@ class TrialResult:
     # (a validation loss above it is not credible; see loader_search.study._points).
     untrained_loss: float | None = None
     # The share of the machine's CPUs other processes used while the ceiling was read: a
-    # reading taken while the machine was busy is not reused (see loader_search.study._plan).
+    # reading taken while the machine was busy is not reused (see loader_search.study.work._plan).
     ceiling_other_load: float | None = None
     # Stage costs over the same window (see `loader_search.trial._stages`).
     producer_cpu_s_per_sample: float | None = None
@@ -49,7 +49,8 @@ class TrialResult:
     cpu_used_cores: float | None = None
     cpus_available: int | None = None
     # The share of its CPUs other processes kept busy over the same window: a confirmation
-    # reading taken beside a busy neighbour is measured again (see loader_search.study._confirm).
+    # reading taken beside a busy neighbour is measured again
+    # (see loader_search.study.stats._confirm).
     other_load: float | None = None
     # The user's step (loader_search.trial._step): with torch.compile, the first training
     # step's time (compilation included) and the recompilations during the window, left out
