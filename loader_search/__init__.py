@@ -6,9 +6,9 @@ Names are imported lazily, so ``loader-search --help`` and error messages do not
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from loader_search._faces import lazy
 from loader_search._version import __version__
 
 _EXPORTS = {
@@ -97,8 +97,4 @@ def report(val_loss: float) -> None:
     report_val_loss(val_loss)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader_search' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy(__name__, _EXPORTS)

@@ -7,8 +7,9 @@ Names load lazily: plotly and optuna-dashboard load only when a report is drawn 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loader_search._faces import lazy
 
 _EXPORTS = {
     # a study as plain data
@@ -34,8 +35,4 @@ if TYPE_CHECKING:
     from loader_search.reports._html import render
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader_search.reports' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy(__name__, _EXPORTS)

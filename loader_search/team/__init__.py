@@ -7,8 +7,9 @@ Names load lazily: the console reads a database error's kind without opening a s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loader_search._faces import lazy
 
 _EXPORTS = {
     # the storage
@@ -110,8 +111,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader_search.team' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy(__name__, _EXPORTS)

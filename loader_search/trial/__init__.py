@@ -9,8 +9,9 @@ never from its private modules. Names load lazily: reading a stored failure reas
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loader_search._faces import lazy
 
 _EXPORTS = {
     # asking for a trial, and what comes back
@@ -126,8 +127,4 @@ if TYPE_CHECKING:
     from loader_search.trial._supervisor import NO_LIMITS, can_isolate, run_isolated
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader_search.trial' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy(__name__, _EXPORTS)

@@ -7,8 +7,9 @@ Callers outside this folder import from ``loader_search.study.config``. Names lo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loader_search._faces import lazy
 
 _EXPORTS = {
     # the config file
@@ -76,8 +77,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader_search.study.config' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy(__name__, _EXPORTS)

@@ -8,8 +8,9 @@ Callers outside this folder import from ``loader_search.study.work``. Names load
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loader_search._faces import lazy
 
 _EXPORTS = {
     # the session and the loop
@@ -104,8 +105,4 @@ if TYPE_CHECKING:
     from loader_search.study.work._worker import count_finished, fresh_recipe, work
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader_search.study.work' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy(__name__, _EXPORTS)
