@@ -70,6 +70,33 @@ def epochs(loader, val_loader, count=4):
 """
 
 
+def _trial_folder(tmp_path: Path) -> Path:
+    """A trial's private folder with the default settings in it."""
+    trial = tmp_path / "trial"
+    trial.mkdir()
+    (trial / "settings.json").write_text(json.dumps(_settings()))
+    return trial
+
+
+def _probe(
+    code: str,
+    *args: str,
+    env: dict[str, str],
+    python: str = sys.executable,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``python -c code args`` run to its end in ``env`` (the hook's, see `_env`)."""
+    return subprocess.run(
+        [python, "-c", code, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+
+
 def _settings(**changes: Any) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "batch_size": 64,
@@ -268,24 +295,15 @@ def test_the_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = '1'\n")
-    trial = tmp_path / "trial"
-    trial.mkdir()
-    (trial / "settings.json").write_text(json.dumps(_settings()))
+    trial = _trial_folder(tmp_path)
     probe = (
         "import os, sys, sitecustomize; print(os.environ.get('USER_SITE_RAN'),"
         " 'loader_search.trial._inject' in sys.modules, 'torch' in sys.modules,"
         " os.path.dirname(sitecustomize.__file__))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=_env(trial, str(theirs)),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
+    printed = _probe(probe, env=_env(trial, str(theirs))).stdout
     # Both ran; ours is still the one imported, and torch was not loaded for it.
-    assert done.stdout.split() == ["1", "True", "False", str(HOOK_DIR)]
+    assert printed.split() == ["1", "True", "False", str(HOOK_DIR)]
     assert list(trial.iterdir()) == [trial / "settings.json"]  # nothing built: no state file
 
 
@@ -307,20 +325,10 @@ def test_a_command_without_loader_search_runs_on_and_says_why(tmp_path: Path) ->
     # The command's own environment: a bare virtual environment of the same Python.
     venv.EnvBuilder(with_pip=False).create(tmp_path / "env")
     python = tmp_path / "env" / "bin" / "python"
-    trial = tmp_path / "trial"
-    trial.mkdir()
-    (trial / "settings.json").write_text(json.dumps(_settings()))
+    trial = _trial_folder(tmp_path)
     env = _env(trial)
     env["PYTHONPATH"] = str(HOOK_DIR)  # the hook alone: loader_search is not on the path
-    done = subprocess.run(
-        [str(python), "-c", "print('ran')"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
+    done = _probe("print('ran')", env=env, python=str(python), cwd=tmp_path)
     assert done.stdout == "ran\n" and done.stderr == ""
     (error,) = trial.glob("hook-error-*.txt")
     text = error.read_text()
@@ -334,24 +342,14 @@ def test_report_val_loss_outside_a_trial_is_a_cheap_no_op(tmp_path: Path) -> Non
         "import sys\nfrom loader_search.trial._report import report_val_loss\n"
         "report_val_loss(0.5)\nprint('torch' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
+    done = _probe(probe, env=env, cwd=tmp_path)
     assert done.stdout == "False\n" and list(tmp_path.iterdir()) == []
     assert "LOADER_SEARCH_TRIAL_DIR" not in os.environ
     report_val_loss(1.0)  # in this process too: nothing happens, nothing raises
 
 
 def test_report_val_loss_in_a_trial_writes_at_once_and_never_raises(tmp_path: Path) -> None:
-    trial = tmp_path / "trial"
-    trial.mkdir()
-    (trial / "settings.json").write_text(json.dumps(_settings()))
+    trial = _trial_folder(tmp_path)
     probe = (
         "import json, os, sys\nfrom loader_search.trial._report import report_val_loss\n"
         "report_val_loss(0.5)\n"
@@ -359,15 +357,7 @@ def test_report_val_loss_in_a_trial_writes_at_once_and_never_raises(tmp_path: Pa
         "print(state['val_losses'][0][1], 'torch' in sys.modules)\n"
         "report_val_loss('not a number')\nprint('went on')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe, str(trial)],
-        env=_env(trial),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    assert done.stdout == "0.5 False\nwent on\n"
+    assert _probe(probe, str(trial), env=_env(trial)).stdout == "0.5 False\nwent on\n"
     (error,) = trial.glob("hook-error-*.txt")
     assert "could not convert string to float" in error.read_text()
 

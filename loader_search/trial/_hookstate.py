@@ -350,15 +350,30 @@ class TrainRun:
             return 0
 
 
-class TrainIter:
+class _Wrapped:
+    """An iterator of the user's loader, wrapped: what is not the wrapper's own (its length,
+    a worker-backed iterator's attributes) is the wrapped one's."""
+
+    _it: Iterator[Any]
+
+    def __iter__(self) -> _Wrapped:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_it":  # not set yet (a copy being made): no endless lookup
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+class TrainIter(_Wrapped):
     """The training loader's iterator, measured and cut at the budget."""
 
     def __init__(self, iterator: Iterator[Any], run: TrainRun) -> None:
-        self._it: Iterator[Any] = iterator
+        self._it = iterator
         self._run = run
-
-    def __iter__(self) -> TrainIter:
-        return self
 
     def __next__(self) -> Any:
         run = self._run
@@ -386,24 +401,13 @@ class TrainIter:
             run.state.record_error("counting the training batches", exc)
         return batch
 
-    def __len__(self) -> int:
-        return len(self._it)  # type: ignore[arg-type]
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "_it":  # not set yet (a copy being made): no endless lookup
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-
-class TickIter:
+class TickIter(_Wrapped):
     """Another loader's iterator: its batches count as evaluation progress."""
 
     def __init__(self, iterator: Iterator[Any], state: ProcessState) -> None:
         self._it = iterator
         self._state = state
-
-    def __iter__(self) -> TickIter:
-        return self
 
     def __next__(self) -> Any:
         batch = next(self._it)
@@ -415,14 +419,6 @@ class TickIter:
         except Exception as exc:
             state.record_error("counting evaluation batches", exc)
         return batch
-
-    def __len__(self) -> int:
-        return len(self._it)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_it":  # not set yet (a copy being made): no endless lookup
-            raise AttributeError(name)
-        return getattr(self._it, name)
 
 
 def _call(action: Any, state: ProcessState) -> None:
