@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks.replay import bootstrap_mean_ci
 from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
+from loader_search.study import load_config
 from loader_search.trial import CommandSpec, TrialJob, WorkloadRecipe, run_isolated
 from loader_search.workloads import Workload, load_workload
 
@@ -51,24 +52,16 @@ POINTS = {
     "1 worker": LoaderParams(64, 1, prefetch_factor=4, persistent_workers=True),
     "batch 128, 1 worker": LoaderParams(128, 1, prefetch_factor=2, persistent_workers=True),
 }
-FLAGS = (
-    sys.executable,
-    "train.py",
-    "--batch-size",
-    "{batch_size}",
-    "--workers",
-    "{num_workers}",
-    "--prefetch",
-    "{prefetch_factor}",
-    "--persistent",
-    "{persistent_workers}",
-    "--pin-memory",
-    "{pin_memory}",
-    "--lr",
-    "{lr}",
-    "--max-samples",
-    "{train_samples}",
-)
+
+
+def example_command() -> tuple[str, ...]:
+    """`examples/flags.toml`'s command, run by this interpreter."""
+    command = load_config(EXAMPLES / "flags.toml").command
+    assert command is not None
+    return tuple(sys.executable if word == "python" else word for word in command.argv)
+
+
+FLAGS = example_command()
 LIMITS = TrialLimits(trial_timeout_s=300)
 
 

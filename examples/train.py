@@ -15,7 +15,7 @@ import argparse
 import math
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 import loader_search
 from loader_search.workloads import load_workload
@@ -83,19 +83,27 @@ def validate(model: torch.nn.Module, loader: DataLoader) -> float:
     return total / count
 
 
-def main() -> None:
-    args = parse_args()
-    train_set, val_set, model = data_and_model(args.seed)
+def training_loader(
+    train_set: Dataset, args: argparse.Namespace, sampler: Sampler | None = None
+) -> DataLoader:
+    """The training loader the flags describe (shuffled, unless a ``sampler`` orders it)."""
     workers = args.workers > 0
-    train_loader = DataLoader(
+    return DataLoader(
         train_set,
         batch_size=args.batch_size,
-        shuffle=True,
+        shuffle=sampler is None,
+        sampler=sampler,
         num_workers=args.workers,
         prefetch_factor=args.prefetch if workers else None,
         persistent_workers=bool(args.persistent) and workers,
         pin_memory=bool(args.pin_memory),
     )
+
+
+def main() -> None:
+    args = parse_args()
+    train_set, val_set, model = data_and_model(args.seed)
+    train_loader = training_loader(train_set, args)
     val_loader = DataLoader(val_set, batch_size=256)
     fit(model, train_loader, val_loader, args.lr, args.max_samples)
 

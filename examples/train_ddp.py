@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-from train import data_and_model, parse_args, validate  # examples/train.py
+from train import data_and_model, parse_args, training_loader, validate  # examples/train.py
 
 import loader_search
 
@@ -32,16 +32,7 @@ if __name__ == "__main__":
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    workers = args.workers > 0
-    train_loader = DataLoader(
-        train_set,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        num_workers=args.workers,
-        prefetch_factor=args.prefetch if workers else None,
-        persistent_workers=bool(args.persistent) and workers,
-        pin_memory=bool(args.pin_memory),
-    )
+    train_loader = training_loader(train_set, args, sampler)
     val_loader = DataLoader(val_set, batch_size=256)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     share = math.ceil(args.max_samples / dist.get_world_size())

@@ -35,18 +35,21 @@ def test_hypervolume_2d_of_a_hand_made_front() -> None:
 
 
 @pytest.mark.slow
-def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
+def _benchmark(*args: str, timeout_s: float) -> None:
+    """``python -m benchmarks ARGS`` in a process of its own; it must succeed."""
     done = subprocess.run(
-        [
-            *(sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)),
-            "--beside-rounds",  # claims: the runner and the loop beside the study's rounds
-        ],
+        [sys.executable, "-m", "benchmarks", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout_s,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
+    # claims: the runner and the loop beside the study's rounds
+    _benchmark("all", "--quick", "--out", str(tmp_path), "--beside-rounds", timeout_s=900)
     results = json.loads((tmp_path / "all.json").read_text())
     report = (tmp_path / "all.md").read_text()
     for heading in (
@@ -287,14 +290,7 @@ def test_the_stop_rules_replay_reproduces_the_rounds_the_studies_ran() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_script_benchmark_reads_both_kinds_side_by_side(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "script", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=880,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _benchmark("script", "--quick", "--out", str(tmp_path), timeout_s=880)
     results = json.loads((tmp_path / "script.json").read_text())
     # Every setting read once as a built-in trial and once as the script, and a ratio of them.
     kinds = {(r["point"], r["kind"]) for r in results["readings"]}

@@ -319,7 +319,10 @@ def test_a_torchrun_trial_measures_every_rank_of_the_ddp_example() -> None:
     assert len(result.per_rank["throughput_samples_per_s"]) == 2
     # Each rank trained its share, 512, and the node's figure counts both.
     assert result.train_samples >= 1024 and result.val_loss is not None
-    assert result.loader_site is not None and "train_ddp.py:" in result.loader_site
+    # Built by examples/train.py's training_loader, with the rank's DistributedSampler.
+    assert result.loader_site is not None and result.loader_site.startswith(
+        f"{EXAMPLES / 'train.py'}:"
+    )
 
 
 SHARDED = """

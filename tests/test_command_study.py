@@ -13,6 +13,7 @@ import optuna
 import psutil
 import pytest
 
+from benchmarks.script import example_command
 from tests.conftest import ROOT, invoke, run_cli
 
 EXAMPLES = ROOT / "examples"
@@ -34,20 +35,8 @@ batch_size = [32, 64]
 num_workers = {{ min = 0, max = 1 }}
 prefetch_factor = {{ min = 1, max = 2 }}
 """
-FLAGS = [
-    sys.executable,
-    "train.py",
-    "--batch-size",
-    "{batch_size}",
-    "--workers",
-    "{num_workers}",
-    "--prefetch",
-    "{prefetch_factor}",
-    "--lr",
-    "{lr}",
-    "--max-samples",
-    "{train_samples}",
-]
+# The example's own command (examples/flags.toml), run by this interpreter.
+FLAGS = list(example_command())
 
 
 def _config(
