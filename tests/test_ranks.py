@@ -103,25 +103,33 @@ def test_a_rank_that_fails_fails_the_trial_with_its_class_and_leaves_nothing(
 _steps: list[int] = []  # the steps this rank's process took
 
 
-def _kills_itself_on_rank_1(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The default step, but rank 1 SIGKILLs itself at its fifth step: no out-of-memory
+def _kills_itself_on(rank: int) -> Any:
+    """The default step, but ``rank`` SIGKILLs itself at its fifth step: no out-of-memory
     kill, nothing in memory, a signal someone else could have sent."""
-    _steps.append(1)
-    if torch.distributed.get_rank() == 1 and len(_steps) > 4:
-        os.kill(os.getpid(), signal.SIGKILL)
-    inputs, targets = batch
-    return torch.nn.functional.cross_entropy(model(inputs), targets)
+
+    def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        _steps.append(1)
+        if torch.distributed.get_rank() == rank and len(_steps) > 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        inputs, targets = batch
+        return torch.nn.functional.cross_entropy(model(inputs), targets)
+
+    return step
 
 
-def test_a_rank_killed_by_sigkill_without_an_oom_record_crashed_naming_the_rank() -> None:
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_killed_by_sigkill_without_an_oom_record_crashed_naming_the_rank(
+    rank: int,
+) -> None:
     # It was host_oom, and the study then retrained the batch as micro-batches, and forced
-    # every later trial of that batch size into accumulation.
-    workload = dataclasses.replace(timed_workload(n=2048), train_step=_kills_itself_on_rank_1)
+    # every later trial of that batch size into accumulation. Rank 0 is the trial's own
+    # process, seen by the supervisor; rank 1 a sibling, seen by rank 0.
+    workload = dataclasses.replace(timed_workload(n=2048), train_step=_kills_itself_on(rank))
     job = TrialJob(workload, LoaderParams(64, 0, torch_threads=1), TWO)
     outcome = run_isolated(job, limits=TrialLimits(trial_timeout_s=20))
     failure = outcome.failure
     assert failure is not None and failure.reason == "crashed", failure
-    assert "rank 1" in failure.message and "SIGKILL" in failure.message
+    assert f"rank {rank}" in failure.message and "SIGKILL" in failure.message
     assert not failure.infeasible
     assert _leftovers() == []
 

@@ -116,7 +116,7 @@ def run_ranks(
     this process as rank 0, the others forked now; merge their results (see the module
     docstring). Raises `RankFailed` with the failing rank's failure."""
     backend = backend_for(device, world)
-    exits = _RankExits()  # before any sibling exists: its OOM kills count from here
+    exits = RankExits()  # before any sibling exists: its OOM kills count from here
     store_fd = _store_file()
     # Every rank reaches the file through the descriptor it inherits: nothing has a name.
     store = f"/proc/self/fd/{store_fd}"
@@ -167,7 +167,7 @@ def _store_file() -> int:
         return os.dup(file.fileno())
 
 
-class _RankExits:
+class RankExits:
     """Classifies the exit of a sibling that sent no report, with the kernel's count of
     out-of-memory kills read when the trial began."""
 
@@ -248,7 +248,7 @@ def _sibling_main(
 
 
 def _sibling_failure(
-    siblings: list[tuple[Any, Connection]], wait_s: float, exits: _RankExits
+    siblings: list[tuple[Any, Connection]], wait_s: float, exits: RankExits
 ) -> tuple[int, TrialFailure] | None:
     """The first failure a sibling reported, or the exit of one that died (waiting up to
     ``wait_s`` for either); None when every sibling still runs or ended well."""
@@ -272,7 +272,7 @@ def _sibling_result(
     process: Any,
     reader: Connection,
     progress: Callable[[], None],
-    exits: _RankExits,
+    exits: RankExits,
 ) -> TrialResult:
     """Rank ``number``'s result, once it sends it (progress pings while waiting)."""
     deadline = time.perf_counter() + SIBLING_RESULT_S

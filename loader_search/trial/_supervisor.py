@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import warnings
@@ -78,6 +79,8 @@ NO_LIMITS = TrialLimits()  # the defaults: a 600 s progress timeout, no memory l
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkProcess
+
+    from loader_search.trial._ranks import RankExits
 
 MEMORY_POLL_S = 0.5  # reading PSS costs ~4 ms per process: not more often than this
 _EXIT_GRACE_S = 10.0  # a child that sent its result gets this long to exit by itself
@@ -131,14 +134,25 @@ def run_isolated(
         if job.gpu is not None:
             job = dataclasses.replace(job, device=f"cuda:{job.gpu}")
         return _run_in_process(job)
+    exits = _rank_exits(job)
     if job.fresh is not None:
         if host is not None:
-            return _Supervisor(limits).run_fresh(job, host, keep=True)
+            return _Supervisor(limits, exits).run_fresh(job, host, keep=True)
         with FreshHost() as once:
-            return _Supervisor(limits).run_fresh(job, once, keep=False)
+            return _Supervisor(limits, exits).run_fresh(job, once, keep=False)
     _refuse_if_cuda_initialised()
     warm_up(job.built)
-    return _Supervisor(limits).run(job)
+    return _Supervisor(limits, exits).run(job)
+
+
+def _rank_exits(job: TrialJob) -> RankExits | None:
+    """For a multi-rank job, its ranks' exit classifier (the kernel's count of out-of-memory
+    kills read now, before the trial); None for one rank."""
+    if job.settings.ranks == 1:
+        return None
+    from loader_search.trial._ranks import RankExits, resolve_ranks  # torch: only here
+
+    return RankExits() if resolve_ranks(job.settings.ranks, job.device) > 1 else None
 
 
 def _checked(job: TrialJob) -> TrialJob:
@@ -191,10 +205,13 @@ def _refuse_if_cuda_initialised() -> None:
 class _Supervisor:
     """The parent's side of one isolated trial: start, watch, kill, classify."""
 
-    def __init__(self, limits: TrialLimits) -> None:
+    def __init__(self, limits: TrialLimits, rank_exits: RankExits | None = None) -> None:
         self.limits = limits
         self.killed: TrialFailure | None = None  # why the parent killed the trial
         self.reaped = False
+        # A multi-rank trial's child is its rank 0: a SIGKILL of it is the out-of-memory
+        # killer's only with the kernel's count as evidence, as for its other ranks.
+        self.rank_exits = rank_exits
 
     def run(self, job: TrialJob) -> TrialOutcome:
         """Fork a child for ``job``, watch it, and reap it."""
@@ -343,7 +360,7 @@ class _Supervisor:
         elif self.killed is not None:
             outcome_failure = self.killed
         else:
-            outcome_failure = classify_exit(process.exitcode)
+            outcome_failure = self._exit_failure(process.exitcode)
         return TrialOutcome(
             result=result,
             failure=outcome_failure,
@@ -353,6 +370,13 @@ class _Supervisor:
             teardown_s=ended - received_at,
             exitcode=None if kept else process.exitcode,
         )
+
+    def _exit_failure(self, exitcode: int | None) -> TrialFailure:
+        """Why a child that sent nothing ended (see `RankExits` for a multi-rank trial)."""
+        if self.rank_exits is not None and exitcode == -signal.SIGKILL:
+            failure = self.rank_exits.failure(exitcode)
+            return dataclasses.replace(failure, message=f"rank 0: {failure.message}")
+        return classify_exit(exitcode)
 
     def _kill_silent(self, process: ChildProcess, timeout_s: float) -> None:
         """Kill a trial that made no progress for ``timeout_s``: a timeout, unless a loader
