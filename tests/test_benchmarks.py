@@ -34,7 +34,6 @@ def test_hypervolume_2d_of_a_hand_made_front() -> None:
         hypervolume_2d([(float("nan"), 1.0)], (10.0, 10.0))
 
 
-@pytest.mark.slow
 def _benchmark(*args: str, timeout_s: float) -> None:
     """``python -m benchmarks ARGS`` in a process of its own; it must succeed."""
     done = subprocess.run(
@@ -47,6 +46,7 @@ def _benchmark(*args: str, timeout_s: float) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_quick_benchmark_runs_every_part(tmp_path: Path) -> None:
     # claims: the runner and the loop beside the study's rounds
     _benchmark("all", "--quick", "--out", str(tmp_path), "--beside-rounds", timeout_s=900)

@@ -178,3 +178,17 @@ def test_the_recommended_command_line_has_the_studys_values() -> None:
     line = command_line(stored, training, LoaderParams(batch_size=256))
     assert line == "torchrun --nproc-per-node 2 t.py --lr 0.2"  # sqrt scaling: 0.1 x 2
     assert command_line({"command": 5}, training, LoaderParams(batch_size=64)) is None
+
+
+def test_one_executable_word_is_a_command_and_any_other_a_config_file(tmp_path: Path) -> None:
+    program = tmp_path / "train.sh"
+    program.write_text("#!/bin/sh\necho 'no training here'\nexit 3\n")
+    program.chmod(0o755)
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    ran = invoke("run", "--storage", url, "--n-trials", "1", "--", str(program), cwd=tmp_path)
+    # It ran (and failed as a command does), not read as a config file.
+    assert ran.returncode == 1 and "exited with status 3" in ran.stderr, ran.stderr
+    plain = tmp_path / "settings.txt"
+    plain.write_text("not a study\n")
+    read = invoke("run", "--storage", url, str(plain), cwd=tmp_path)
+    assert read.returncode == 2 and "settings.txt" in read.stderr

@@ -97,8 +97,10 @@ def test_bad_workloads_are_user_errors(spec: str, options: dict, message: str) -
 
 
 def test_a_bug_in_the_users_factory_is_not_hidden() -> None:
-    with pytest.raises(RuntimeError, match="has a bug"):
+    # One line for the user, naming the error; the bug itself stays attached for --debug.
+    with pytest.raises(UserError, match="RuntimeError: the user's factory has a bug") as caught:
         load_workload(f"{PLUGIN}:broken")
+    assert isinstance(caught.value.__cause__, RuntimeError)
 
 
 def test_a_gpu_stand_in_waits_per_sample_in_training_only() -> None:

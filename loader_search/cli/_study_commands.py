@@ -4,6 +4,8 @@ inside the commands: ``--help`` and input errors answer at once."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -28,12 +30,19 @@ RunTarget = Annotated[
             "A study config file (TOML), e.g. studies/quickstart.toml; or, after `--`, your"
             " own training command with placeholders: `-- python train.py --batch-size"
             " {batch_size}` (a study named after the script, every other setting at its"
-            " default)."
+            " default). One word is the config file, unless it is an executable program."
         ),
         metavar="CONFIG | -- COMMAND...",
         show_default=False,
     ),
 ]
+
+
+def _is_program(word: str) -> bool:
+    """Whether a lone ``run`` argument is a program to run (an executable file, not a study
+    file): ``run -- ./train.sh``. Anything else is read as the study's config file."""
+    path = Path(word)
+    return path.suffix != ".toml" and path.is_file() and os.access(path, os.X_OK)
 
 
 @reports_errors
@@ -68,7 +77,7 @@ def run(
     from loader_search.study import command_config, load_config
     from loader_search.team import check_shared, resolve_storage_url
 
-    if len(target) == 1 and target[0].endswith(".toml"):
+    if len(target) == 1 and not _is_program(target[0]):
         cfg = load_config(target[0])
     else:
         cfg = command_config(target)

@@ -207,8 +207,10 @@ class NoiseProbe:
         turn has come."""
         self._measuring = False
         if batch_samples == self._estimator.big_batch:
-            self._measuring = self._full_batches % self._every == 0
             self._full_batches += 1
+            # The last of every ``every`` full batches: never the trial's first one, whose
+            # loss is the untrained model's and whose forward a model may remember.
+            self._measuring = self._full_batches % self._every == 0
 
     def split_at(self, n: int) -> int | None:
         """Where to cut a loader batch of ``n`` samples for the measurement (None: train it
