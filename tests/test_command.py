@@ -300,6 +300,7 @@ def test_no_trial_folder_is_left_behind(tmp_path: Path, monkeypatch: pytest.Monk
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow  # a framework's or torchrun's own start-up, seconds a trial
 @pytest.mark.timeout(180)
 def test_a_torchrun_trial_measures_every_rank_of_the_ddp_example() -> None:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{ranks}"]
@@ -397,6 +398,7 @@ for step, (x, y) in enumerate(loader):
 """
 
 
+@pytest.mark.slow  # a framework's or torchrun's own start-up, seconds a trial
 @pytest.mark.timeout(120)
 def test_a_killed_torchrun_rank_is_no_out_of_memory_and_leaves_nothing(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
@@ -408,6 +410,7 @@ def test_a_killed_torchrun_rank_is_no_out_of_memory_and_leaves_nothing(tmp_path:
     assert "SIGKILL" in outcome.failure.traceback or "Signal 9" in outcome.failure.traceback
 
 
+@pytest.mark.slow  # a framework's or torchrun's own start-up, seconds a trial
 @pytest.mark.timeout(180)
 def test_a_lightning_script_is_tuned_and_its_logged_loss_read() -> None:
     pytest.importorskip("pytorch_lightning")
@@ -495,6 +498,7 @@ Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=To
 """
 
 
+@pytest.mark.slow  # a framework's or torchrun's own start-up, seconds a trial
 @pytest.mark.timeout(180)
 def test_a_hugging_face_trainer_is_tuned_and_its_eval_loss_read(tmp_path: Path) -> None:
     # The Trainer builds its loaders from TrainingArguments; the hook finds the training one

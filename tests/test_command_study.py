@@ -72,6 +72,7 @@ def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
     return trials
 
 
+@pytest.mark.slow  # a whole study of several command trials
 @pytest.mark.timeout(240)
 def test_a_flag_script_study_runs_and_recommends_its_command_line(
     tmp_path: Path, sqlite_url: str
@@ -88,6 +89,7 @@ def test_a_flag_script_study_runs_and_recommends_its_command_line(
     _no_process_left(before)
 
 
+@pytest.mark.slow  # a whole study of several command trials
 @pytest.mark.timeout(240)
 def test_a_zero_code_script_study_puts_the_settings_into_its_loader(
     tmp_path: Path, sqlite_url: str
@@ -108,6 +110,7 @@ def test_a_zero_code_script_study_puts_the_settings_into_its_loader(
     }
 
 
+@pytest.mark.slow  # a whole study of several command trials
 def test_run_dash_dash_names_the_study_after_the_script(tmp_path: Path, sqlite_url: str) -> None:
     script = tmp_path / "my_train.py"
     script.write_text((EXAMPLES / "train_zero_code.py").read_text())
@@ -152,6 +155,7 @@ def test_command_keys_without_a_command_are_refused(tmp_path: Path) -> None:
     assert ran.returncode == 2 and "applies only with workload.command" in ran.stderr
 
 
+@pytest.mark.slow  # a whole study of several command trials
 @pytest.mark.timeout(240)
 def test_a_worker_runs_a_stored_command_only_when_named(tmp_path: Path, sqlite_url: str) -> None:
     config = _config(tmp_path, FLAGS, trials=1)
