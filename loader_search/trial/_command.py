@@ -144,16 +144,17 @@ class _Seen:
 
 
 class _Command:
+    """One run of the command for one trial: start it, watch it, read what it says, stop it,
+    and say how it went (see the module's docstring)."""
+
     def __init__(
         self, job: TrialJob, spec: CommandSpec, limits: TrialLimits, folder: Path, ranks: int
     ) -> None:
-        self.job, self.spec, self.limits, self.folder, self.ranks = (
-            job,
-            spec,
-            limits,
-            folder,
-            ranks,
-        )
+        self.job = job
+        self.spec = spec
+        self.limits = limits
+        self.folder = folder  # the trial's private folder: settings in, state files out
+        self.ranks = ranks
         self.peak_pss = 0
         self.began = time.time()
         # Every process of the command seen so far (pid: start time): one that left the
