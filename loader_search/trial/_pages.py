@@ -7,7 +7,7 @@ itself, so ``dataset.images[i]`` writes the page that holds that bytes object's 
 training process that loads its own batches (``num_workers=0``, or the thread backend) then
 takes one such fault per page of samples during its first epoch, inside the measured window.
 A user's training script, a fresh process, never does; its loader workers do (they are
-forked from it), and so do the trial's, alike. Measured here (issue 27, benchmarks/RESULTS.md):
+forked from it), and so do the trial's, alike. Measured here (benchmarks/RESULTS.md):
 a forked ``num_workers=0`` trial of the quickstart read 9% below the same trial in a fresh
 process (12 paired rounds, 95% CI +-5%), and 0.2% below it once its data set's objects had
 been written to before training.

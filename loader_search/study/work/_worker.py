@@ -22,8 +22,8 @@ Many workers on many machines share one study and one trial budget. What keeps t
   script does, and shares no memory with the worker (`fresh_recipe`,
   `loader_search.trial.FreshHost`): the session starts it beside the worker's
   own start-up, and it is kept for this worker's confirmation trials. Forked from the
-  worker (``"fork"``), the baseline read low more often and the claims erred more (issue 27,
-  benchmarks/RESULTS.md).
+  worker (``"fork"``), the baseline read low more often and the claims erred more
+  (benchmarks/RESULTS.md, "The printed speedup against a plain loop").
 """
 
 from __future__ import annotations
