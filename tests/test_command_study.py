@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from benchmarks.script import example_command
+from loader_search.errors import UserError
 from tests.conftest import ROOT, invoke, run_cli
 
 EXAMPLES = ROOT / "examples"
@@ -196,3 +197,13 @@ def test_one_executable_word_is_a_command_and_any_other_a_config_file(tmp_path: 
     plain.write_text("not a study\n")
     read = invoke("run", "--storage", url, str(plain), cwd=tmp_path)
     assert read.returncode == 2 and "settings.txt" in read.stderr
+
+
+def test_a_literal_brace_lr_is_no_placeholder(tmp_path: Path) -> None:
+    from loader_search.study import load_config
+
+    # `{{lr}}` is the text {lr}, not the placeholder: no [training] lr is needed for it.
+    config = load_config(_config(tmp_path, ["python", "t.py", "--tag", "{{lr}}"], training=""))
+    assert config.command is not None and "lr" not in config.command.placeholders
+    with pytest.raises(UserError, match=r"training\.lr"):
+        load_config(_config(tmp_path, ["python", "t.py", "--lr", "{lr}"], training=""))

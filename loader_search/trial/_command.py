@@ -155,6 +155,8 @@ class _Command:
         self.limits = limits
         self.folder = folder  # the trial's private folder: settings in, state files out
         self.ranks = ranks
+        # Every placeholder's value in this trial (the lr too, for its result).
+        self.filled = placeholder_values(job.params, job.settings, ranks)
         self.peak_pss = 0
         self.began = time.time()
         # Every process of the command seen so far (pid: start time): one that left the
@@ -165,9 +167,7 @@ class _Command:
         self.seen = _Seen()
 
     def run(self, started: float) -> TrialOutcome:
-        argv = render_command(
-            self.spec.argv, placeholder_values(self.job.params, self.job.settings, self.ranks)
-        )
+        argv = render_command(self.spec.argv, self.filled)
         self._write_settings()
         try:
             process = subprocess.Popen(
@@ -228,7 +228,7 @@ class _Command:
         env["PYTHONPATH"] = os.pathsep.join(path)
         env[TRIAL_DIR_ENV] = str(self.folder)
         env["PYTHONUNBUFFERED"] = "1"  # its lines (and a validation loss) as they are printed
-        if "torch_threads" not in _used(self.spec):
+        if "torch_threads" not in placeholders_in(self.spec.argv):
             env["OMP_NUM_THREADS"] = str(self.job.params.torch_threads)
         if self.job.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.job.gpu)
@@ -350,7 +350,7 @@ class _Command:
         window_s = max(float(w["measured_time_s"]) for w in windows)
         waits = sorted(float(w["data_wait_s"]) / float(w["measured_time_s"]) for w in windows)
         main = ranks[0]
-        lr = placeholder_values(self.job.params, self.job.settings, self.ranks)["lr"]
+        lr = self.filled["lr"]
         return TrialResult(
             throughput_samples_per_s=samples / window_s,
             val_loss=val_loss,
@@ -467,10 +467,6 @@ class _Command:
             for loader in p.get("loaders", [])
         ]
         return ", ".join(sites) if sites else "none"
-
-
-def _used(spec: CommandSpec) -> set[str]:
-    return placeholders_in(spec.argv)
 
 
 def _last(text: str) -> str:

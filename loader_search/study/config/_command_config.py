@@ -75,6 +75,11 @@ class CommandConfig:
             )
 
     @property
+    def placeholders(self) -> set[str]:
+        """The placeholders the command uses (checked when it was built)."""
+        return placeholders_in(self.argv)
+
+    @property
     def line(self) -> str:
         """The command as a shell would show it."""
         return shlex.join(self.argv)

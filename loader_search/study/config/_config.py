@@ -211,8 +211,10 @@ def _check_command(config: StudyConfig) -> None:
         raise ConfigError(
             "workload.options", dict(config.workload_options), "apply to a workload, not a command"
         )
-    if "{lr}" in " ".join(config.command.argv if config.command else ()) and (
-        config.training.lr is None
+    if (
+        config.command is not None
+        and "lr" in config.command.placeholders
+        and (config.training.lr is None)
     ):
         raise ConfigError(
             "training.lr",
