@@ -267,7 +267,7 @@ def create_session(
     fresh = _fresh_host(config, workload, here)
     try:
         workload, spec, recipe = _workload(config, workload, reporter)
-        if hardware is not None and workload is not None:
+        if hardware is not None:
             space = fit_to_machine(space, workload, ranks)
         notes = list(space.notes)
         reporter.preparing(f"opening storage {mask_url(url)}")
@@ -331,8 +331,7 @@ def join_session(
     fresh = _fresh_host(config, workload, here)
     try:
         workload, _, recipe = _workload(config, workload, reporter)
-        if workload is not None:
-            space = fit_to_machine(space, workload, ranks)
+        space = fit_to_machine(space, workload, ranks)
         notes = [*space.notes, *mixed]
         # Opened again with the study's heartbeat settings: its connections are closed
         # first, so that a worker never holds more than two.

@@ -104,10 +104,15 @@ def hardware_mismatch(study_name: str, bound: str, hardware: Hardware) -> UserEr
     )
 
 
-def fit_to_machine(space: ResolvedSpace, workload: Workload, ranks: int = 1) -> ResolvedSpace:
+def fit_to_machine(
+    space: ResolvedSpace, workload: Workload | None, ranks: int = 1
+) -> ResolvedSpace:
     """Drop loader settings whose batches cannot fit in this machine's /dev/shm (the
     messages land in ``space.notes``), as `loader-search doctor` reports them; with
-    ``ranks``, each rank's loader gets its share."""
+    ``ranks``, each rank's loader gets its share. A command's study (no ``workload``) is left
+    as it is: its samples live in the script, unseen before its trials."""
+    if workload is None:
+        return space
     size = shm_bytes()
     fitted, _ = fit_space(space, sample_bytes(workload), size // ranks if size else size)
     return fitted
