@@ -42,6 +42,7 @@ from loader_search.study.work import (
     RetryStaleTrial,
     Session,
     check_hardware,
+    command_space,
     count_finished,
     fit_to_machine,
     this_machine,
@@ -275,8 +276,10 @@ def create_session(
         name = config.name or DEFAULT_STUDY_NAME
         stamp = fingerprint(config, workload, spec)
         study, created = open_study(rdb, name, config, stamp)
-        if hardware is not None:
+        if hardware is not None and here is not None:
             notes += check_hardware(study, hardware, _allows_mixed(machine))
+            space, found = command_space(study, config, space, here[0], ranks, reporter.preparing)
+            notes += found
         finished = count_finished(study)
         budget, budget_notes = settle_budget(study, config, budget, finished, created)
         notes += budget_notes
@@ -340,6 +343,8 @@ def join_session(
         name = existing.study.study_name
         study = optuna.load_study(study_name=name, storage=rdb)
         study.sampler = make_sampler(config, seed_offset=seed_offset_of(study))
+        space, found = command_space(study, config, space, here[0], ranks, reporter.preparing)
+        notes += found
         budget = study_budget(name, study.user_attrs, config.trials)
         finished = count_finished(study)
         what = describe(config, workload)

@@ -32,6 +32,8 @@ _EXPORTS = {
     "can_isolate": "loader_search.trial._supervisor",
     "NO_LIMITS": "loader_search.trial._supervisor",
     "FreshHost": "loader_search.trial._fresh",
+    "probe_command": "loader_search.trial._probe",
+    "ScriptFacts": "loader_search.trial._probe",
     # what the study plans with
     "MIN_MEASURED_BATCHES": "loader_search.trial._run",
     "batches_needed": "loader_search.trial._run",
@@ -71,6 +73,7 @@ __all__ = [
     "FreshHost",
     "GradientNoiseScale",
     "NoiseEstimate",
+    "ScriptFacts",
     "TrialFailure",
     "TrialJob",
     "TrialOutcome",
@@ -82,6 +85,7 @@ __all__ = [
     "check_step_settings",
     "placeholder_values",
     "placeholders_in",
+    "probe_command",
     "render_command",
     "report_val_loss",
     "resolve_ranks",
@@ -114,6 +118,7 @@ if TYPE_CHECKING:
         placeholders_in,
         render_command,
     )
+    from loader_search.trial._probe import ScriptFacts, probe_command
     from loader_search.trial._ranks import resolve_ranks
     from loader_search.trial._report import report_val_loss
     from loader_search.trial._result import TrialResult

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
-import math
 import os
 import re
 import shutil
@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from loader_search import interrupts
 from loader_search.params import TrialLimits
@@ -46,6 +46,7 @@ from loader_search.trial._command_group import (
     stop_known,
     wait,
 )
+from loader_search.trial._command_read import Seen, command_result, look
 from loader_search.trial._failures import (
     BUDGET_NOT_HONOURED,
     CRASHED,
@@ -83,9 +84,27 @@ def run_command(job: TrialJob, limits: TrialLimits, ranks: int = 1) -> TrialOutc
     """Run the trial ``job.command`` describes and classify its end (see the module)."""
     assert job.command is not None
     started = time.perf_counter()
+    outcome = _run_once(job, limits, ranks, "train", started)
+    if outcome.result is None or not job.plan.measure_ceiling:
+        return outcome
+    # The ceiling: the script again, its step fed from memory (loader_search.trial._hookloop).
+    # A run that fails leaves the trial without one, as a busy machine's reading would.
+    ceiling = _run_once(job, limits, ranks, "ceiling", time.perf_counter()).result
+    if ceiling is None:
+        return outcome
+    result = dataclasses.replace(
+        outcome.result, ceiling_samples_per_s=ceiling.throughput_samples_per_s
+    )
+    return dataclasses.replace(outcome, result=result, wall_s=time.perf_counter() - started)
+
+
+def _run_once(
+    job: TrialJob, limits: TrialLimits, ranks: int, mode: str, started: float
+) -> TrialOutcome:
+    assert job.command is not None
     folder = Path(tempfile.mkdtemp(prefix="loader-search-command-"))
     try:
-        return _Command(job, job.command, limits, folder, ranks).run(started)
+        return _Command(job, job.command, limits, folder, ranks, mode).run(started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -116,41 +135,22 @@ class _Output:
         return "\n".join(self.tail)
 
 
-@dataclass
-class _Seen:
-    """What the hook's files said at the last look."""
-
-    procs: list[dict[str, Any]] = field(default_factory=list)
-    hook_errors: list[str] = field(default_factory=list)
-
-    @property
-    def trainers(self) -> list[dict[str, Any]]:
-        """The processes that iterated a training loader: the ranks."""
-        return [p for p in self.procs if p.get("batches", 0) > 0]
-
-    @property
-    def progress(self) -> tuple[int, int]:
-        return (
-            sum(int(p.get("samples", 0)) for p in self.procs),
-            sum(int(p.get("ticks", 0)) for p in self.procs),
-        )
-
-    def budget_reached_at(self, world: int) -> float | None:
-        """When the last rank used up its budget (``time.time()``), None before."""
-        done = [p for p in self.trainers if p.get("budget_reached")]
-        if not done or len(done) < world:
-            return None
-        return max(float(p.get("budget_reached_at") or 0.0) for p in done)
-
-
 class _Command:
     """One run of the command for one trial: start it, watch it, read what it says, stop it,
     and say how it went (see the module's docstring)."""
 
     def __init__(
-        self, job: TrialJob, spec: CommandSpec, limits: TrialLimits, folder: Path, ranks: int
+        self,
+        job: TrialJob,
+        spec: CommandSpec,
+        limits: TrialLimits,
+        folder: Path,
+        ranks: int,
+        mode: str = "train",
     ) -> None:
         self.job = job
+        self.mode = mode  # train, ceiling or probe (loader_search.trial._hookloop)
+        self.result: TrialResult | None = None
         self.spec = spec
         self.limits = limits
         self.folder = folder  # the trial's private folder: settings in, state files out
@@ -164,7 +164,7 @@ class _Command:
         self.known: dict[int, float] = {}
         pattern = re.compile(spec.val_loss_pattern) if spec.val_loss_pattern else None
         self.output = _Output(pattern)
-        self.seen = _Seen()
+        self.seen = Seen()
 
     def run(self, started: float) -> TrialOutcome:
         argv = render_command(self.spec.argv, self.filled)
@@ -188,14 +188,14 @@ class _Command:
         reader = threading.Thread(target=self.output.read, args=(process.stdout,), daemon=True)
         reader.start()
         try:
-            result, failure = self._watch(process)
+            failure = self._watch(process)
         except BaseException:  # Ctrl-C above all: nothing of the command may be left
             stop_group(process, grace_s=0.0)
             raise
         finally:
             stop_known(self.known)
             reader.join(timeout=STOP_GRACE_S)
-        return TrialOutcome(result, failure, time.perf_counter() - started, 0.0)
+        return TrialOutcome(self.result, failure, time.perf_counter() - started, 0.0)
 
     def _write_settings(self) -> None:
         params, settings = self.job.params, self.job.settings
@@ -207,12 +207,16 @@ class _Command:
             "pin_memory": params.pin_memory,
             "persistent_workers": params.persistent_workers and workers,
             "inject": to_inject(self.spec.argv),
-            # A plan that needs throughput only ends the loop at its window's mark.
+            # A plan that needs throughput only ends the loop at its window's mark; the
+            # ceiling and the probe end by their own rules.
             "train_samples": (
-                self.job.plan.short_samples
+                None
+                if self.mode != "train"
+                else self.job.plan.short_samples
                 if self.job.plan.stop_early and self.job.plan.short_samples
                 else settings.train_samples
             ),
+            "mode": self.mode,
             "warmup_batches": settings.warmup_batches,
             "train_loader": self.spec.train_loader,
             "progress_interval_s": 0.5,
@@ -234,9 +238,8 @@ class _Command:
             env["CUDA_VISIBLE_DEVICES"] = str(self.job.gpu)
         return env
 
-    def _watch(
-        self, process: subprocess.Popen[bytes]
-    ) -> tuple[TrialResult | None, TrialFailure | None]:
+    def _watch(self, process: subprocess.Popen[bytes]) -> TrialFailure | None:
+        """Watch the command until `_done` or a failure (returned)."""
         limits = self.limits
         last_progress = time.perf_counter()
         next_memory = last_progress
@@ -250,7 +253,7 @@ class _Command:
                 progress, last_progress = self.seen.progress, now
             if self.seen.hook_errors:  # the hook cannot do its part: no honest reading
                 stop_group(process, 0.0)
-                return None, failure_for(
+                return failure_for(
                     NOT_APPLIED,
                     f"the loader-search hook failed in the command: {self.seen.hook_errors[0]}",
                     self.output.text(),
@@ -258,18 +261,17 @@ class _Command:
             refused = self._not_applied()
             if refused is not None:  # the trial would measure the script's own setting
                 stop_group(process, 0.0)
-                return None, refused
-            done = self._done()
-            if done is not None:
+                return refused
+            if self._done():
                 stop_group(process, STOP_GRACE_S)
-                return done, None
+                return None
             if ended:
                 stop_group(process, 0.0)  # a grandchild left behind goes with the group
                 self._look()
-                return None, self._ended(process.returncode)
+                return self._ended(process.returncode)
             if now - last_progress > limits.trial_timeout_s:
                 stop_group(process, 0.0)
-                return None, self._silent(limits.trial_timeout_s)
+                return self._silent(limits.trial_timeout_s)
             if now >= next_memory:
                 next_memory = now + MEMORY_POLL_S
                 used = tree_pss(process.pid)
@@ -277,7 +279,7 @@ class _Command:
                 self.peak_pss = max(self.peak_pss, used)
                 if limits.memory_limit_bytes is not None and used > limits.memory_limit_bytes:
                     stop_group(process, 0.0)
-                    return None, failure_for(
+                    return failure_for(
                         HOST_OOM,
                         f"the command used {gib(used)} of host memory (PSS of its process"
                         f" tree), above the limit of {gib(limits.memory_limit_bytes)}; it was"
@@ -285,14 +287,7 @@ class _Command:
                     )
 
     def _look(self) -> None:
-        procs = []
-        for path in self.folder.glob("proc-*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                procs.append(json.loads(path.read_text()))
-        self.seen.procs = sorted(procs, key=lambda p: (p.get("rank", 0), p.get("pid", 0)))
-        self.seen.hook_errors = [
-            p.read_text(errors="replace").strip() for p in self.folder.glob("hook-error-*.txt")
-        ]
+        self.seen = look(self.folder)
 
     def _not_applied(self) -> TrialFailure | None:
         """A failure naming the trial's settings the training loader could not take (a
@@ -326,70 +321,20 @@ class _Command:
         found = sorted(v for v in reported + self.output.losses if v[0] >= after)
         return found[0][1] if found else None
 
-    def _done(self) -> TrialResult | None:
-        """The result once the trial has all it needs, else None."""
-        reached = self.seen.budget_reached_at(self._world())
+    def _done(self) -> bool:
+        """Whether the run has all it needs (then its `result` is set)."""
+        reached = self.seen.budget_reached_at(self.seen.world)
         if reached is None or any(p.get("window") is None for p in self.seen.trainers):
-            return None
-        plan = self.job.plan
+            return False
         val_loss = None
-        if not plan.stop_early:
+        if self.mode == "train" and not self.job.plan.stop_early:
             val_loss = self._val_loss(reached)
             if val_loss is None:
-                return None
-        return self._result(val_loss)
-
-    def _world(self) -> int:
-        worlds = [int(p.get("world_size", 1)) for p in self.seen.trainers]
-        return max(worlds, default=1)
-
-    def _result(self, val_loss: float | None) -> TrialResult:
-        ranks = self.seen.trainers
-        windows = [p["window"] for p in ranks]
-        samples = sum(int(w["measured_samples"]) for w in windows)
-        window_s = max(float(w["measured_time_s"]) for w in windows)
-        waits = sorted(float(w["data_wait_s"]) / float(w["measured_time_s"]) for w in windows)
-        main = ranks[0]
-        lr = self.filled["lr"]
-        return TrialResult(
-            throughput_samples_per_s=samples / window_s,
-            val_loss=val_loss,
-            val_accuracy=None,
-            data_wait_fraction=waits[len(waits) // 2],
-            time_to_first_batch_s=max(float(w["time_to_first_batch_s"]) for w in windows),
-            peak_host_rss_bytes=max(
-                self.peak_pss, sum(int(p.get("peak_rss_bytes", 0)) for p in ranks)
-            ),
-            peak_gpu_bytes=None,
-            train_samples=sum(int(p.get("samples", 0)) for p in ranks),
-            measured_samples=samples,
-            measured_time_s=window_s,
-            warmup_batches=int(windows[0]["warmup_batches"]),
-            epochs=0,
-            lr=float(lr) if lr else math.nan,
-            final_train_loss=None,
-            train_time_s=max(0.0, (self.seen.budget_reached_at(len(ranks)) or 0.0) - self.began),
-            eval_time_s=0.0,
-            device=str(self.job.device),
-            stopped_early=self.job.plan.stop_early,
-            ranks=len(ranks) if len(ranks) > 1 else None,
-            per_rank=(
-                {
-                    "throughput_samples_per_s": [
-                        float(w["measured_samples"]) / float(w["measured_time_s"]) for w in windows
-                    ],
-                    "data_wait_fraction": [
-                        float(w["data_wait_s"]) / float(w["measured_time_s"]) for w in windows
-                    ],
-                    "peak_host_rss_bytes": [int(p.get("peak_rss_bytes", 0)) for p in ranks],
-                }
-                if len(ranks) > 1
-                else None
-            ),
-            loader_site=next(
-                (str(x.get("site")) for x in main.get("loaders", []) if x.get("train")), None
-            ),
+                return False
+        self.result = command_result(
+            self.seen, self.job, self.filled["lr"], val_loss, self.peak_pss, self.began
         )
+        return True
 
     def _ended(self, returncode: int | None) -> TrialFailure:
         """Why a command that ended by itself gave no result."""
@@ -420,10 +365,10 @@ class _Command:
             return failure_for(
                 NOT_APPLIED,
                 f"the command ended without iterating a training DataLoader (loaders seen:"
-                f" {self._loaders_seen()})",
+                f" {self.seen.loaders_seen()})",
                 tail,
             )
-        if self.seen.budget_reached_at(self._world()) is None:
+        if self.seen.budget_reached_at(self.seen.world) is None:
             samples, _ = self.seen.progress
             return failure_for(
                 BUDGET_NOT_HONOURED,
@@ -446,7 +391,7 @@ class _Command:
         """Why a command that made no progress for ``timeout_s`` was stopped."""
         tail = self.output.text()
         samples, _ = self.seen.progress
-        if self.seen.budget_reached_at(self._world()) is not None:
+        if self.seen.budget_reached_at(self.seen.world) is not None:
             return failure_for(
                 BUDGET_NOT_HONOURED,
                 f"the command used its budget ({samples:,} samples), then neither reported a"
@@ -459,14 +404,6 @@ class _Command:
             " command was stopped",
             tail,
         )
-
-    def _loaders_seen(self) -> str:
-        sites = [
-            f"#{loader.get('index')} at {loader.get('site')}"
-            for p in self.seen.procs
-            for loader in p.get("loaders", [])
-        ]
-        return ", ".join(sites) if sites else "none"
 
 
 def _last(text: str) -> str:

@@ -1,5 +1,4 @@
-"""What the trial hook knows in one process of a command workload, its state file, and the
-measured iterators of the script's loaders.
+"""What the trial hook knows in one process of a command workload, and its state file.
 
 A command workload's processes (the script, each torchrun rank) load
 ``loader_search.trial._hook/sitecustomize.py`` at start-up; `loader_search.trial._inject`
@@ -17,7 +16,10 @@ loader worker) writes no file. The file holds ``pid``, ``rank``, ``world_size``,
 ``not_applied``, and the ``num_workers`` and ``batch_size`` the loader really uses),
 ``samples`` and ``batches`` (of the training loader), ``ticks`` (batches of the others),
 ``budget_reached``, ``budget_reached_at``, ``window`` (`window_dict`, or null before the
-warm-up ends), ``peak_rss_bytes``, ``cpu_s`` and ``val_losses`` (``[time, value]`` pairs).
+warm-up ends), ``stages`` (the training process's stage costs over the window, see
+`loader_search.trial._hookloop`), ``peak_rss_bytes``, ``cpu_s`` and ``val_losses``
+(``[time, value]`` pairs). The measured iterators are in `loader_search.trial._hookloop`, the
+loader workers' side in `loader_search.trial._hookworker`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 ENV_DIR = "LOADER_SEARCH_TRIAL_DIR"
 SETTINGS_FILE = "settings.json"
 
+# What a run of the command is for (see loader_search.trial._hookloop).
+MODES = ("train", "ceiling", "probe")
 # The loader settings a trial may inject, in the order they are applied.
 INJECTABLE = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
 
@@ -56,6 +59,7 @@ class HookSettings:
     warmup_batches: int
     train_loader: int | None
     progress_interval_s: float
+    mode: str = "train"
 
     @classmethod
     def read(cls, folder: str) -> HookSettings:
@@ -78,6 +82,7 @@ class HookSettings:
             warmup_batches=int(raw.get("warmup_batches", 1)),
             train_loader=None if train is None else int(train),
             progress_interval_s=float(raw.get("progress_interval_s", 0.5)),
+            mode=str(raw.get("mode", "train")) if raw.get("mode") in MODES else "train",
         )
 
     def value(self, name: str) -> Any:
@@ -108,6 +113,11 @@ class ProcessState:
         self.samples = 0
         self.batches = 0
         self.ticks = 0
+        # The training process's stage costs over the window (loader_search.trial._hookloop).
+        self.stages: dict[str, float] = dict.fromkeys(
+            ("fetch_cpu_s", "collate_cpu_s", "main_cpu_s", "samples", "batches"), 0.0
+        )
+        self.stages["window_batches"] = 0
         self.budget_reached = False
         self.budget_reached_at: float | None = None
         self.val_losses: list[list[float]] = []
@@ -168,6 +178,7 @@ class ProcessState:
             "budget_reached": self.budget_reached,
             "budget_reached_at": self.budget_reached_at,
             "window": self.window(),
+            "stages": self.stages,
             "peak_rss_bytes": high_water_mark_bytes() or 0,
             "cpu_s": times.user + times.system + times.children_user + times.children_system,
             "val_losses": self.val_losses,
@@ -257,175 +268,6 @@ def write_error(folder: str, line: str) -> None:
             file.write(line.replace("\n", " ") + "\n")
     except OSError:
         pass  # nowhere to say it: the user's program goes on regardless
-
-
-# --- the training loop -----------------------------------------------------------------
-
-
-class TrainRun:
-    """The training loader's measurement across its iterators (epochs)."""
-
-    def __init__(self, loader: Any, state: ProcessState) -> None:
-        from loader_search.trial._measure import StepMeter
-        from loader_search.trial._step import default_batch_size
-
-        self.state = state
-        settings = state.settings
-        workers = int(getattr(loader, "num_workers", 0) or 0)
-        # The batches the workers prefetched while the model was not asking come at once:
-        # they are warm-up too.
-        in_flight = workers * int(getattr(loader, "prefetch_factor", 0) or 0) if workers else 0
-        self.meter = StepMeter(max(1, settings.warmup_batches + in_flight), self._sync)
-        state.meter = self.meter
-        total = settings.train_samples
-        self.share = None if total is None else rank_share(total, world_size())
-        self.pending: int | None = None  # samples of the batch whose step is running
-        self.started = False
-        self._size_failed = False
-        self._batch_size = default_batch_size
-
-    def _sync(self) -> None:
-        if not self.state.sync_device:
-            return
-        cuda = sys.modules.get("torch.cuda")
-        if cuda is not None and cuda.is_initialized():
-            cuda.synchronize()
-
-    def done(self) -> bool:
-        return self.share is not None and self.state.samples >= self.share
-
-    def new_iterator(self) -> None:
-        meter = self.meter
-        if not self.started:
-            self.started = True
-            meter.start()
-            return
-        self.close_step()
-        self.state.idle_window = None
-        if meter.in_window:
-            # The time since the last epoch ended is the user's validation, not training:
-            # left out of the window (a new iterator's worker start-up stays in, in its
-            # first batch's wait).
-            meter.step(0, exclude=float("inf"))
-
-    def close_step(self) -> None:
-        if self.pending is not None:
-            self.meter.step(self.pending)
-            self.pending = None
-
-    def before_next(self) -> bool:
-        """Close the previous batch's step; True where the budget stops the iteration."""
-        self.close_step()
-        if not self.done():
-            return False
-        state = self.state
-        if not state.budget_reached:
-            state.budget_reached = True
-            state.budget_reached_at = time.time()
-            state.final_window = state.window()
-            state.write()
-        return True
-
-    def epoch_end(self) -> None:
-        """The underlying iterator ended (an epoch): the last batch's step ends here."""
-        if not self.before_next():
-            self.state.idle_window = None
-            self.state.idle_window = self.state.window()
-
-    def delivered(self, batch: Any) -> None:
-        samples = self._size(batch)
-        state = self.state
-        state.samples += samples
-        state.batches += 1
-        self.pending = samples
-        state.maybe_write()
-
-    def _size(self, batch: Any) -> int:
-        try:
-            return self._batch_size(batch)
-        except Exception as exc:
-            if not self._size_failed:
-                self._size_failed = True
-                self.state.record_error("counting a batch's samples", exc)
-            return 0
-
-
-class _Wrapped:
-    """An iterator of the user's loader, wrapped: what is not the wrapper's own (its length,
-    a worker-backed iterator's attributes) is the wrapped one's."""
-
-    _it: Iterator[Any]
-
-    def __iter__(self) -> _Wrapped:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._it)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_it":  # not set yet (a copy being made): no endless lookup
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-
-class TrainIter(_Wrapped):
-    """The training loader's iterator, measured and cut at the budget."""
-
-    def __init__(self, iterator: Iterator[Any], run: TrainRun) -> None:
-        self._it = iterator
-        self._run = run
-
-    def __next__(self) -> Any:
-        run = self._run
-        try:
-            stop = run.before_next()
-        except Exception as exc:
-            run.state.record_error("measuring the training loop", exc)
-            stop = False
-        if stop:
-            # Dropped, a worker-backed iterator shuts its workers down (persistent ones stay
-            # with their loader, as they would).
-            self._it = iter(())
-            raise StopIteration
-        _call(run.meter.wait_begin, run.state)
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            _call(run.meter.wait_end, run.state)
-            _call(run.epoch_end, run.state)
-            raise
-        _call(run.meter.wait_end, run.state)
-        try:
-            run.delivered(batch)
-        except Exception as exc:
-            run.state.record_error("counting the training batches", exc)
-        return batch
-
-
-class TickIter(_Wrapped):
-    """Another loader's iterator: its batches count as evaluation progress."""
-
-    def __init__(self, iterator: Iterator[Any], state: ProcessState) -> None:
-        self._it = iterator
-        self._state = state
-
-    def __next__(self) -> Any:
-        batch = next(self._it)
-        state = self._state
-        try:
-            state.ticks += 1
-            state.touch()
-            state.maybe_write()
-        except Exception as exc:
-            state.record_error("counting evaluation batches", exc)
-        return batch
-
-
-def _call(action: Any, state: ProcessState) -> None:
-    try:
-        action()
-    except Exception as exc:
-        state.record_error("measuring the training loop", exc)
 
 
 _STATE: ProcessState | None = None

@@ -42,14 +42,9 @@ import sys
 from types import FrameType, ModuleType
 from typing import Any
 
-from loader_search.trial import _hookstate
-from loader_search.trial._hookstate import (
-    HookSettings,
-    ProcessState,
-    TickIter,
-    TrainIter,
-    TrainRun,
-)
+from loader_search.trial import _hookstate, _hookworker
+from loader_search.trial._hookloop import TickIter, TrainIter, TrainRun
+from loader_search.trial._hookstate import HookSettings, ProcessState
 
 TARGET = "torch.utils.data.dataloader"
 _PATCHED = "_loader_search_patched"
@@ -147,6 +142,7 @@ def patch(module: ModuleType) -> None:
     cls = module.DataLoader
     if cls.__dict__.get(_PATCHED):
         return
+    _hookworker.patch_worker_info([module, sys.modules.get("torch.utils.data")])
     original_init = cls.__init__
     original_iter = cls.__iter__
     signature = inspect.signature(original_init)
@@ -202,9 +198,7 @@ def _acting_state() -> ProcessState | None:
     state = _hookstate.current()
     if state is None:
         return None
-    from torch.utils.data import get_worker_info
-
-    return state if get_worker_info() is None else None
+    return state if _hookworker.worker_info() is None else None
 
 
 def _plan(
@@ -278,7 +272,21 @@ def _injected(
             ours = "num_workers" in applied or name in applied
             if name in known and (ours or (trial_has_none and merged.get(name) != idle)):
                 merged[name] = applied[name] = idle
+    _time_collate(merged)
     return merged
+
+
+def _time_collate(merged: dict[str, Any]) -> None:
+    """The training loader's collate, timed (`_hookworker.HookCollate`): the user's own, or
+    the one torch would pick. A loader that does not batch (``batch_size=None``, no
+    ``batch_sampler``) collates sample by sample: its costs are not a batch's, left alone."""
+    from torch.utils.data import default_collate
+
+    collate = merged.get("collate_fn")
+    batches = merged.get("batch_size") is not None or merged.get("batch_sampler") is not None
+    if isinstance(collate, _hookworker.HookCollate) or not batches:
+        return  # a re-created loader keeps the one it was given
+    merged["collate_fn"] = _hookworker.HookCollate(collate or default_collate)
 
 
 def _init_with(

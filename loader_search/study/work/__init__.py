@@ -42,12 +42,16 @@ _EXPORTS = {
     "this_machine": "loader_search.study.work._machine",
     "check_hardware": "loader_search.study.work._machine",
     "fit_to_machine": "loader_search.study.work._machine",
+    # a command's space, narrowed by a first look at it
+    "command_space": "loader_search.study.work._script",
+    "SCRIPT_FACTS_ATTR": "loader_search.study.work._script",
     "hardware_mismatch": "loader_search.study.work._machine",
     "TIMINGS_ENV": "loader_search.study.work._timings",
 }
 
 __all__ = [
     "FINISHED_STATES",
+    "SCRIPT_FACTS_ATTR",
     "TIMINGS_ENV",
     "Confirm",
     "Decision",
@@ -59,6 +63,7 @@ __all__ = [
     "Take",
     "Wait",
     "check_hardware",
+    "command_space",
     "confirm_settings",
     "count_finished",
     "count_used",
@@ -98,6 +103,7 @@ if TYPE_CHECKING:
     )
     from loader_search.study.work._plan import Reuse, plan_trial
     from loader_search.study.work._record import record
+    from loader_search.study.work._script import SCRIPT_FACTS_ATTR, command_space
     from loader_search.study.work._session_state import Session
     from loader_search.study.work._take import queue_decision
     from loader_search.study.work._timings import TIMINGS_ENV

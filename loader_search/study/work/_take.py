@@ -68,6 +68,7 @@ from loader_search.study.work._budget import (
 from loader_search.study.work._heartbeats import Health, beating, fail_stale_trials
 from loader_search.study.work._machine import hardware_mismatch
 from loader_search.study.work._record import record_interrupted
+from loader_search.study.work._script import baseline_batch_size
 from loader_search.study.work._session_state import Session
 from loader_search.study.work._timings import Clock
 from loader_search.study.work._trials import write_user_attrs
@@ -265,7 +266,8 @@ def _decide(
 
 def _queue(session: Session, decision: Take | Confirm) -> None:
     """Queue the trials ``decision`` asks for, so that the next `ask` takes the first."""
-    queue_decision(session.study, session.space, session.config.training.batch_size, decision)
+    batch_size = baseline_batch_size(session.space, session.config.training.batch_size)
+    queue_decision(session.study, session.space, batch_size, decision)
 
 
 def queue_decision(

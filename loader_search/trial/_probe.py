@@ -1,0 +1,159 @@
+"""A first look at a command before its study searches: which DataLoader trains, and which of
+the trial's settings cannot reach it (`probe_command`).
+
+The command runs once with the study's baseline batch size and two loader workers, the hook
+in ``probe`` mode (no budget; `loader_search.trial._hookloop`), and is stopped as soon as the
+training loader has delivered a batch and, for an `IterableDataset`, its workers have shown
+whether they split the stream (`loader_search.trial._hookworker`). What it finds, a
+`ScriptFacts`, narrows the study's space before any trial (`loader_search.study.search`):
+
+* a ``batch_sampler`` fixes the batch size: ``batch_size`` is not searched, the study keeps
+  the sampler's;
+* a loader that does not batch (``batch_size=None``): ``batch_size`` is not searched;
+* an `IterableDataset` whose workers never ask `get_worker_info` which part of the stream is
+  theirs: each of N workers yields the whole stream, so ``num_workers`` is searched only up to
+  one (a worker of its own, or none).
+
+A setting a trial still cannot apply fails that trial as ``not_applied``, naming it: never a
+silent no-op.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
+from loader_search.trial._command import _Command
+from loader_search.trial._failures import TrialFailure
+from loader_search.trial._job import CommandSpec, TrialJob
+
+PROBE_WORKERS = 2  # enough to see whether an iterable stream is split
+UNSHARDED = (
+    "its IterableDataset does not split the stream across loader workers (no worker asked"
+    " get_worker_info()): each of N workers would yield every sample"
+)
+
+
+@dataclass(frozen=True)
+class ScriptFacts:
+    """What `probe_command` found. ``fixed``: each setting not searched, with why; the
+    training loader's own ``batch_size`` where the script fixes it; ``max_workers`` where
+    workers beyond it would repeat the data; ``failure``: why the look found nothing (the
+    space stays as declared)."""
+
+    site: str | None = None
+    fixed: Mapping[str, str] = field(default_factory=dict)
+    batch_size: int | None = None
+    max_workers: int | None = None
+    failure: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "site": self.site,
+            "fixed": dict(self.fixed),
+            "batch_size": self.batch_size,
+            "max_workers": self.max_workers,
+            "failure": self.failure,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ScriptFacts:
+        """The stored form back; anything malformed (other people write the database) reads
+        as nothing found."""
+
+        def count(value: object) -> int | None:
+            return value if isinstance(value, int) and value > 0 else None
+
+        fixed = data.get("fixed")
+        return cls(
+            site=str(data["site"]) if isinstance(data.get("site"), str) else None,
+            fixed=({str(k): str(v) for k, v in fixed.items()} if isinstance(fixed, dict) else {}),
+            batch_size=count(data.get("batch_size")),
+            max_workers=count(data.get("max_workers")),
+            failure=str(data["failure"]) if isinstance(data.get("failure"), str) else None,
+        )
+
+
+class _Probe(_Command):
+    """A run of the command in ``probe`` mode: done once the training loader is known."""
+
+    def _not_applied(self) -> TrialFailure | None:
+        return None  # what cannot apply is what the probe is looking for
+
+    def _done(self) -> bool:
+        loaders = self.seen.train_loaders()
+        if not loaders or not self.seen.trainers:
+            return False
+        loader = loaders[0]
+        workers = int(loader.get("num_workers") or 0)
+        if not loader.get("iterable") or workers < 2:
+            return True
+        if any(w.get("asked") for w in self.seen.workers):
+            return True
+        started = [w for w in self.seen.workers if int(w.get("produced", 0)) > 0]
+        batches = max(int(p.get("batches", 0)) for p in self.seen.trainers)
+        return len(started) >= 2 or batches > 2 * workers + 2
+
+
+def probe_command(
+    spec: CommandSpec,
+    settings: TrainingSettings,
+    limits: TrialLimits,
+    *,
+    device: str = "cpu",
+    ranks: int = 1,
+    max_workers: int = PROBE_WORKERS,
+) -> ScriptFacts:
+    """Run the command once and say what its training loader allows (see the module)."""
+    workers = max(0, min(PROBE_WORKERS, max_workers))
+    params = LoaderParams(
+        batch_size=settings.batch_size,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+    )
+    job = TrialJob(None, params, settings, device, command=spec)
+    folder = Path(tempfile.mkdtemp(prefix="loader-search-probe-"))
+    try:
+        probe = _Probe(job, spec, limits, folder, ranks, mode="probe")
+        outcome = probe.run(time.perf_counter())
+        seen = probe.seen
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    loaders = seen.train_loaders()
+    if not loaders:
+        why = outcome.failure.message if outcome.failure else "no training DataLoader iterated"
+        return ScriptFacts(failure=why)
+    return facts_of(loaders[0], seen.workers)
+
+
+def facts_of(loader: Mapping[str, Any], workers: list[dict[str, Any]]) -> ScriptFacts:
+    """`ScriptFacts` from the training loader's record and its workers' files."""
+    fixed: dict[str, str] = {}
+    batch_size = None
+    for name, why in (loader.get("not_applied") or {}).items():
+        if name == "batch_size":
+            fixed[name] = str(why)
+            own = loader.get("batch_size")
+            batch_size = own if isinstance(own, int) and own > 0 else None
+    max_workers = None
+    started = [w for w in workers if int(w.get("produced", 0)) > 0 or w.get("asked")]
+    if (
+        loader.get("iterable")
+        and int(loader.get("num_workers") or 0) >= 2
+        and len(started) >= 2
+        and not any(w.get("asked") for w in workers)
+    ):
+        fixed["num_workers"] = UNSHARDED
+        max_workers = 1
+    return ScriptFacts(
+        site=str(loader.get("site")) if loader.get("site") else None,
+        fixed=fixed,
+        batch_size=batch_size,
+        max_workers=max_workers,
+    )
