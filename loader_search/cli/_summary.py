@@ -198,9 +198,15 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
     out.print(f"  rule: {rec.rule}", soft_wrap=True)
     if rec.verdict == "no_reliable_gain":
         out.print("  the best candidate, should you try it anyway:", soft_wrap=True)
+    snippet = rec.snippet
+    if snippet.startswith("# run: "):
+        # The command line to copy is printed whole, on one line however wide (a panel
+        # would cut it at the console's width).
+        run, snippet = snippet.split("\n", 1)
+        out.print(f"  {run}", soft_wrap=True, highlight=False, markup=False)
     out.print(
         Panel(
-            Syntax(rec.snippet, "python", theme="ansi_dark", background_color="default"),
+            Syntax(snippet, "python", theme="ansi_dark", background_color="default"),
             expand=False,
         )
     )
