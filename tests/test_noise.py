@@ -10,6 +10,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,52 +19,11 @@ from torch.utils.data import TensorDataset
 
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.trial import TrialResult, run_trial
-from loader_search.trial._noise import SPLIT_EVERY, GradientNoiseScale
+from loader_search.trial._noise import SIDE_EVERY, SPLIT_EVERY, GradientNoiseScale
 from loader_search.workloads import Workload, load_workload
+from tests.plugins.least_squares import least_squares
 
-N, D = 4096, 16  # the least-squares data set: samples, features
 BATCH = 64
-
-
-def _least_squares() -> tuple[Workload, float]:
-    """y = X w* + noise on a fixed data set, a linear model held at w0 != w* (the optimizer's
-    learning rate is 0, so the gradient's mean and covariance never move), and the noise
-    scale the estimator should find there, computed exactly from the per-sample gradients.
-
-    The loss is the mean of (x.w - y)^2, so a sample's gradient is 2 (x.w0 - y) x: G is their
-    mean and Sigma their covariance over the N samples. The loader draws each batch without
-    replacement from the N samples, so a batch mean's covariance is Sigma/b (N-b)/(N-1) (Sigma
-    with 1/N); in expectation the per-step estimates are then tr(Sigma_{N-1}) and
-    |G|^2 - tr(Sigma_N)/(N-1), and their ratio is the target (2% above tr(Sigma)/|G|^2 here).
-    """
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(N, D, generator=generator, dtype=torch.float64)
-    w_star = torch.randn(D, generator=generator, dtype=torch.float64)
-    y = x @ w_star + 0.5 * torch.randn(N, generator=generator, dtype=torch.float64)
-    w0 = w_star + 0.05 * torch.randn(D, generator=generator, dtype=torch.float64)
-    per_sample = 2 * (x @ w0 - y)[:, None] * x
-    mean = per_sample.mean(0)
-    trace = float(torch.cov(per_sample.T).trace())  # 1/(N-1)
-    target = trace / (float(mean.square().sum()) - trace / N)
-
-    def make_model() -> nn.Module:
-        model = nn.Linear(D, 1, bias=False)
-        with torch.no_grad():
-            model.weight.copy_(w0.float()[None])
-        return model
-
-    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(outputs.squeeze(-1), targets)
-
-    workload = Workload(
-        name="least-squares",
-        train_dataset=TensorDataset(x.float(), y.float()),
-        val_dataset=TensorDataset(x[:256].float(), y[:256].float()),
-        make_model=make_model,
-        loss_fn=loss_fn,
-        make_optimizer=lambda parameters, lr: torch.optim.SGD(parameters, lr=0.0),
-    )
-    return workload, target
 
 
 def test_the_estimators_formulas_give_back_a_known_split() -> None:
@@ -109,7 +69,7 @@ def test_the_estimators_formulas_give_back_a_known_split() -> None:
 def test_a_trial_recovers_the_exact_noise_scale_of_least_squares(
     accumulation_steps: int, small: int, every: int
 ) -> None:
-    workload, target = _least_squares()
+    workload, target = least_squares()
     assert 50 < target < 200  # the regime it is for: B_noise of the order of the batch
     steps = 1000 * every  # a split batch is measured one in SPLIT_EVERY
     result = run_trial(
@@ -171,12 +131,36 @@ def _images_noise(seed: int, accumulation_steps: int) -> TrialResult:
     return run_trial(workload, params, TrainingSettings(seed=seed))
 
 
+def test_a_batchnorm_model_is_measured_by_a_side_pass_that_leaves_training_unchanged() -> None:
+    # The quickstart's CNN has BatchNorm (and here dropout: the random state is restored
+    # too). Split in two, each half would be normalised by its own statistics: a different
+    # run. A side pass over half of every SIDE_EVERY-th batch, with the batch's gradient,
+    # the running statistics and the random state put back, leaves the run as it was.
+    workload = load_workload("synthetic-images", {"train_size": 1024, "val_size": 256})
+    make_model = workload.make_model
+
+    def with_dropout() -> nn.Module:
+        return nn.Sequential(nn.Dropout(0.1), make_model())
+
+    workload = replace(workload, make_model=with_dropout)
+    settings = TrainingSettings(train_samples=2048, warmup_batches=1)
+    params = LoaderParams(batch_size=BATCH)
+    on = run_trial(workload, params, settings)
+    off = run_trial(workload, params, settings, measure_noise=False)
+    assert on.val_loss is not None and off.val_loss is not None
+    assert on.val_loss == pytest.approx(off.val_loss, rel=1e-5)
+    assert on.final_train_loss == pytest.approx(off.final_train_loss, rel=1e-5)
+    assert off.noise_steps is None
+    # 2048 samples = 32 full batches of 64; the last of every SIDE_EVERY is measured.
+    assert on.noise_steps == 32 // SIDE_EVERY and on.noise_small_batch == BATCH // 2
+    assert on.noise_trace is not None and on.noise_grad_sq is not None
+
+
 def test_synthetic_images_noise_scale_is_stable_across_seeds() -> None:
-    # The quickstart's CNN has BatchNorm: split in two, each half would be normalised by its
-    # own statistics (a different training run), so a batch trained whole is not measured;
-    # trained as 2 x 32 micro-batches it is, from the micro-batches it trains anyway.
+    # Trained as 2 x 32 micro-batches the quickstart's CNN is measured on every batch, from
+    # the micro-batches it trains anyway; whole, by a side pass on every SIDE_EVERY-th.
     whole = _images_noise(0, 1)
-    assert whole.gradient_noise_scale is None and whole.noise_steps is None
+    assert whole.noise_steps == 128 // SIDE_EVERY and whole.noise_small_batch == BATCH // 2
     scales = []
     for seed in (0, 1):
         result = _images_noise(seed, 2)
@@ -201,7 +185,7 @@ def _step_costs(repeats: int, steps: int) -> None:
     Prints per repeat each way's median step time."""
     from torch.utils.data import DataLoader
 
-    from loader_search.trial._noise import NoiseProbe
+    from loader_search.trial._noise import NoiseProbe, batch_norms
     from loader_search.trial._step import Step
     from loader_search.trial._train import _backward
 
@@ -225,7 +209,9 @@ def _step_costs(repeats: int, steps: int) -> None:
         probe = None
         if way in ("split", "2x32 on"):
             probe = NoiseProbe(parameters, BATCH, BATCH if way == "split" else half)
-        if way in ("off", "split"):
+        if way == "side":  # this BatchNorm model's way: a side pass, here on every batch
+            probe = NoiseProbe(parameters, BATCH, BATCH, side=batch_norms(model))
+        if way in ("off", "split", "side"):
             _backward(step, batch, BATCH, BATCH, BATCH, whole, probe)
         else:
             head, tail = step.split(batch, half)
@@ -235,7 +221,7 @@ def _step_costs(repeats: int, steps: int) -> None:
         if probe is not None:
             probe.estimate()
 
-    ways = ["off", "split", "2x32 off", "2x32 on"]
+    ways = ["off", "split", "side", "2x32 off", "2x32 on"]
     for index in range(4 * len(ways)):  # warm-up
         one(ways[index % len(ways)], batches[index % len(batches)])
     for repeat in range(repeats):
@@ -250,6 +236,8 @@ def _step_costs(repeats: int, steps: int) -> None:
             f"repeat {repeat}: "
             + ", ".join(f"{way} {1000 * value:.2f} ms" for way, value in medians.items())
             + f"; split/off {medians['split'] / medians['off']:.3f},"
+            f" side/off {medians['side'] / medians['off']:.3f} (every {SIDE_EVERY}th batch:"
+            f" {1 + (medians['side'] / medians['off'] - 1) / SIDE_EVERY:.3f}),"
             f" 2x32 on/off {medians['2x32 on'] / medians['2x32 off']:.3f}",
             flush=True,
         )
@@ -258,27 +246,30 @@ def _step_costs(repeats: int, steps: int) -> None:
 def measure_cost(rounds: int) -> None:
     """Throughput of quickstart trials (synthetic-images, 4096 training images, batch 64,
     default training settings) with the probe on and off, interleaved in one process, for
-    num_workers 0 and 1: off (whole batches), the batch split in two with the norms read
-    (what the probe costs where it splits: forced here on this BatchNorm model, which the
-    probe does not split), and 2 x 32 accumulation without and with the probe (the cost of
-    the norms alone). Prints each reading, then per pair the medians, ranges and the median
-    of the paired on/off ratios."""
+    num_workers 0 and 1: off (whole batches); "side", this BatchNorm model's way (a side pass
+    over half of every 16th batch); the batch split in two with the norms read (what the
+    probe costs where it splits: forced here on this BatchNorm model, which the probe does
+    not split); and 2 x 32 accumulation without and with the probe (the cost of the norms
+    alone). Prints each reading, then per pair the medians, ranges and the median of the
+    paired on/off ratios."""
     import loader_search.trial._run as run_module
 
     workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
     # The split of a BatchNorm model, forced by replacing the rule's test in the run module
     # for the "split" readings: what the split costs does not depend on the model's layers.
     rules = run_module.__dict__
-    real = rules["has_batch_statistics"]
-    pairs = [(workers, acc, on) for workers in (0, 1) for acc, on in ((1, "split"), (2, "on"))]
-    readings: dict[tuple[int, int, str], list[float]] = {}
+    real = rules["batch_norms"]
+    ways = ((1, "side"), (1, "split"), (2, "on"))
+    pairs = [(workers, acc, on) for workers in (0, 1) for acc, on in ways]
+    # (workers, accumulation, the way it is paired with, the way it ran): its readings.
+    readings: dict[tuple[int, int, str, str], list[float]] = {}
     for index in range(rounds):
         for workers, acc, on_mode in pairs:
             # Each pair back to back, in turn off first and on first: what the trial before
             # leaves behind (its workers exiting, its memory) falls on both alike.
             modes = ("off", on_mode) if index % 2 == 0 else (on_mode, "off")
             for mode in modes:
-                rules["has_batch_statistics"] = (lambda _: False) if mode == "split" else real
+                rules["batch_norms"] = (lambda _: []) if mode == "split" else real
                 params = LoaderParams(
                     batch_size=BATCH,
                     num_workers=workers,
@@ -289,12 +280,13 @@ def measure_cost(rounds: int) -> None:
                     workload, params, TrainingSettings(), measure_noise=mode != "off"
                 )
                 throughput = result.throughput_samples_per_s
-                readings.setdefault((workers, acc, mode), []).append(throughput)
+                readings.setdefault((workers, acc, on_mode, mode), []).append(throughput)
                 print(index, (workers, acc, mode), round(throughput), flush=True)
-    rules["has_batch_statistics"] = real
+    rules["batch_norms"] = real
     for workers in (0, 1):
-        for acc, on_mode in ((1, "split"), (2, "on")):
-            off, on = readings[(workers, acc, "off")], readings[(workers, acc, on_mode)]
+        for acc, on_mode in ways:
+            off = readings[(workers, acc, on_mode, "off")]
+            on = readings[(workers, acc, on_mode, on_mode)]
             ratios = [b / a for a, b in zip(off, on, strict=True)]
             print(
                 f"workers={workers} accumulation={acc}: off {statistics.median(off):.0f}"

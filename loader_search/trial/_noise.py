@@ -18,8 +18,12 @@ them, its first micro-batch's gradient (``b``, the micro-batch) and the accumula
 measured batch is trained as two halves with the gradients accumulated: the same samples and
 the same update, up to floating point, for a model that treats its samples independently.
 A model with BatchNorm normalises each half by that half's statistics instead (a "ghost
-batch" of ``B/2``) and updates its running statistics twice: a real, if small, change to
-training, which is why such a model is split only where `NoiseProbe` is told it may be.
+batch" of ``B/2``) and updates its running statistics twice: a change to training. Such a
+model is measured by a **side pass** instead: its measured batch is trained whole, and after
+its backward pass one more forward and backward pass over its first half gives the small
+gradient, the batch's gradient, the BatchNorm running statistics and the random state (a
+dropout's) restored before the optimizer steps, so the run is the one it would have been. The
+half batch is normalised by its own statistics, as a batch of that size is.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ from torch import nn
 # (0.93-1.00): every batch. A 128-batch trial then measures 16 split batches: a rough figure
 # on its own (about 30-60% standard error), one a study pools over its trials.
 SPLIT_EVERY = 8
+# A side pass (BatchNorm) costs half a batch's forward and backward, and copies of the
+# gradients and the running statistics: every 16th full batch, about 3% of the step's compute
+# (`python -m tests.test_noise` measures it).
+SIDE_EVERY = 16
 # Contiguous blocks of steps the standard error is computed from (batch means): the steps of
 # one trial are correlated (the parameters drift), blocks of many steps much less so.
 MAX_BLOCKS = 10
@@ -156,10 +164,14 @@ def squared_grad_norm(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
     return norm.detach().float() ** 2
 
 
+def batch_norms(model: nn.Module) -> list[nn.Module]:
+    """``model``'s layers that normalise by batch statistics in training (BatchNorm and its
+    kinds): splitting a batch changes their forward pass."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def has_batch_statistics(model: nn.Module) -> bool:
-    """Whether ``model`` normalises by batch statistics in training (BatchNorm and its
-    kinds): splitting a batch changes its forward pass."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return bool(batch_norms(model))
 
 
 class NoiseProbe:
@@ -184,9 +196,13 @@ class NoiseProbe:
         *,
         every: int = 1,
         scaler: torch.amp.GradScaler | None = None,
+        side: Sequence[nn.Module] | None = None,
     ) -> None:
-        self.split = micro_batch == big_batch
-        small = big_batch // 2 if self.split else micro_batch
+        # ``side``: the model's BatchNorm layers, measured by a side pass (see the module).
+        self.side = side is not None and micro_batch == big_batch
+        self._batch_norms = list(side or ())
+        self.split = micro_batch == big_batch and not self.side
+        small = big_batch // 2 if micro_batch == big_batch else micro_batch
         if small < 1:
             raise ValueError(f"a batch of {big_batch} cannot be split for the noise scale")
         self._parameters = list(parameters)
@@ -222,6 +238,8 @@ class NoiseProbe:
     def small(self, samples: int, weight: float) -> None:
         """After the backward pass of the effective batch's first piece, of ``samples``
         samples, whose mean loss was scaled by ``weight`` (its share of the batch)."""
+        if self.side:
+            return  # the small gradient comes from the side pass
         if not self._measuring or samples != self.small_batch:
             self._measuring = False  # a piece of another size: not this step
             return
@@ -229,9 +247,46 @@ class NoiseProbe:
 
     def big(self) -> None:
         """After the last backward pass of the effective batch, before the optimizer step."""
-        if self._measuring and len(self._big) < len(self._small):
+        if self._measuring and (self.side or len(self._big) < len(self._small)):
             self._big.append(self._unscaled(squared_grad_norm(self._parameters)))
+            if self.side:
+                return  # measuring until the side pass
         self._measuring = False
+
+    @property
+    def side_due(self) -> bool:
+        """Whether the batch just trained wants its side pass (`side_pass`)."""
+        return self.side and self._measuring and len(self._small) < len(self._big)
+
+    def side_pass(self, loss_of_head: Any, backward: Any) -> None:
+        """The small gradient of a side pass: ``backward(loss_of_head())`` over the batch's
+        first half, everything it changed put back (see the module docstring)."""
+        self._measuring = False
+        grads = [p.grad for p in self._parameters]
+        buffers = [
+            {name: b.clone() for name, b in m.named_buffers(recurse=False)}
+            for m in self._batch_norms
+        ]
+        cpu_rng = torch.random.get_rng_state()
+        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+        try:
+            for parameter in self._parameters:
+                parameter.grad = None
+            backward(loss_of_head())
+            self._small.append(self._unscaled(squared_grad_norm(self._parameters)))
+        finally:
+            for parameter, grad in zip(self._parameters, grads, strict=True):
+                parameter.grad = grad
+            with torch.no_grad():
+                for module, saved in zip(self._batch_norms, buffers, strict=True):
+                    for name, value in saved.items():
+                        getattr(module, name).copy_(value)
+            torch.random.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            if len(self._big) > len(self._small):
+                self._big.pop()  # the side pass failed: the pair is dropped
 
     def _unscaled(self, squared: torch.Tensor) -> torch.Tensor:
         if self._scaler is None:

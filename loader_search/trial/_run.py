@@ -41,10 +41,11 @@ from loader_search.trial._evaluate import evaluate
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter
 from loader_search.trial._noise import (
+    SIDE_EVERY,
     SPLIT_EVERY,
     NoiseEstimate,
     NoiseProbe,
-    has_batch_statistics,
+    batch_norms,
     noise_fields,
 )
 from loader_search.trial._pages import own_pages
@@ -202,24 +203,27 @@ class _Run:
         """What reads the gradient noise scale in this run's loop, or None where it is not
         read: when not asked; with ranks (DDP averages the ranks' gradients on the stepping
         micro-batch, so the big batch there is the node's, the small one a rank's: not
-        measured yet); and, without gradient accumulation, where splitting a batch in two
-        would change the run: a batch of one sample, a compiled model (the halves are a new
-        input shape, a second compilation the trial would pay and report), and a model with
-        BatchNorm (each half normalised by its own statistics).
+        measured yet); and, without gradient accumulation, a batch of one sample and a
+        compiled model (a half batch is a new input shape, a second compilation the trial
+        would pay and report). A model with BatchNorm, whose halves would each be normalised
+        by their own statistics, is measured by a side pass (`NoiseProbe.side_pass`) rather
+        than by splitting its batch.
         """
         params = self.params
         if not self.measure_noise or self.rank is not None:
             return None
-        if params.accumulation_steps == 1 and (
-            params.batch_size < 2 or step.compiled or has_batch_statistics(step.module)
-        ):
+        whole = params.accumulation_steps == 1
+        if whole and (params.batch_size < 2 or step.compiled):
             return None
+        norms = batch_norms(step.module) if whole else []
         return NoiseProbe(
             list(step.module.parameters()),
             params.batch_size,
             params.micro_batch_size,
-            every=SPLIT_EVERY if params.accumulation_steps == 1 else 1,  # what it costs
+            # what it costs
+            every=(SIDE_EVERY if norms else SPLIT_EVERY) if whole else 1,
             scaler=step.scaler,
+            side=norms or None,
         )
 
 
