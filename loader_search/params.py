@@ -198,6 +198,10 @@ class LoaderParams:
 
 
 LrScaling = Literal["none", "linear", "sqrt"]
+# What a study's recommendation and paired rounds maximise: samples per second, or goodput
+# (throughput times the statistical efficiency of its batch size; loader_search.study.stats).
+Objective = Literal["throughput", "goodput"]
+OBJECTIVES: tuple[Objective, ...] = ("throughput", "goodput")
 LR_SCALINGS: tuple[LrScaling, ...] = ("none", "linear", "sqrt")
 GradientAccumulation = Literal["auto", "off"]
 Precision = Literal["fp32", "bf16", "fp16"]

@@ -215,3 +215,51 @@ def test_later_rounds_skip_what_the_loss_rules_out_then_try_the_leaders_prefetch
     # Once they ran, the model has nothing more to ask: the sampler goes on.
     ran = [_trial(p.params, 8_000.0, **{MODEL_ROUND_ATTR: 3}) for p in third]
     assert _propose(guide, [baseline, *done, measured, slower, *ran]) == []
+
+
+NOISE = {"noise_steps": 20, "noise_grad_sq": 1.0}
+
+
+def test_with_a_noise_scale_round_one_queues_by_goodput_and_a_goodput_study_prunes_by_it() -> None:
+    space = SearchSpace(
+        batch_sizes=(32, 256), num_workers=CpuRange(0, 2), persistent_workers=None
+    ).resolve(2, cuda=False)
+    base_params = LoaderParams(32, torch_threads=2)
+
+    def measured(trace: float | None) -> list[optuna.trial.FrozenTrial]:
+        # The baseline, and a batch-256 trial whose step is much faster per sample (its
+        # ceiling): the model predicts batch 256 the faster of the two.
+        noise = {} if trace is None else {**NOISE, "noise_trace": trace}
+        return [
+            _trial(base_params, 5_000.0, baseline=True, ceiling_samples_per_s=1e4, **noise),
+            _trial(LoaderParams(256, torch_threads=2), 9_000.0, ceiling_samples_per_s=4e4),
+        ]
+
+    guide = Guide(space, "cpu", 2)
+    by_speed = _propose(guide, measured(None))
+    assert [p.params.batch_size for p in by_speed] == [256, 32]
+    assert by_speed[0].predicted > by_speed[1].predicted
+    # B_noise = 8: a batch of 256 makes (8 + 32) / (8 + 256) = 0.15 of the progress per
+    # sample, so it comes last; at B_noise = 1e6 the speed decides, as without one.
+    assert [p.params.batch_size for p in _propose(guide, measured(8.0))] == [32, 256]
+    assert [p.params.batch_size for p in _propose(guide, measured(1e6))] == [256, 32]
+    # A goodput study: after round 1, a batch size whose best predicted goodput cannot reach
+    # the leader's is not proposed again, though its trial missed its prediction; the loss
+    # tolerance rules nothing out.
+    goodput = Guide(space, "cpu", 2, loss_tolerance=0.05, objective="goodput")
+    first = _propose(goodput, measured(8.0))
+    missed = [
+        _trial(
+            p.params,
+            p.predicted * 0.5,
+            5.0,  # far above the tolerance
+            **{MODEL_ROUND_ATTR: 1, PREDICTED_ATTR: p.predicted, "ceiling_samples_per_s": 8e3},
+        )
+        for p in first
+    ]
+    again = _propose(goodput, [*measured(8.0), *missed])
+    assert again and {p.params.batch_size for p in again} == {32}
+    # A throughput study, the same trials: batch 256 again (its other trial's loss is within
+    # the tolerance), whatever it costs in samples.
+    plain = Guide(space, "cpu", 2, loss_tolerance=0.05)
+    assert 256 in {p.params.batch_size for p in _propose(plain, [*measured(8.0), *missed])}

@@ -14,10 +14,10 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from loader_search.cli._console import console, shown
-from loader_search.study import above_ceiling, efficiency_text
+from loader_search.study import above_ceiling, critical_batch_text, efficiency_text
 
 if TYPE_CHECKING:
-    from loader_search.study import Bottleneck, PipelineView, StudySummary
+    from loader_search.study import Bottleneck, PipelineView, StudySummary, TrialPoint
 
 
 def print_summaries(summaries: Sequence[StudySummary], *, as_json: bool = False) -> None:
@@ -75,6 +75,13 @@ def _efficiency(value: float | None) -> str:
     return efficiency_text(value) if value else "-"
 
 
+def _goodput(summary: StudySummary, point: TrialPoint) -> str:
+    value, base = summary.goodput(point), summary.baseline
+    if value is None or base is None or base.throughput <= 0:
+        return "-"
+    return f"{value / base.throughput:.2f}x"
+
+
 def print_summary(summary: StudySummary) -> None:
     """The Pareto front as a table, then the recommendation as paste-ready code."""
     out = console
@@ -89,8 +96,11 @@ def print_summary(summary: StudySummary) -> None:
     base = summary.baseline
     table = Table(title=shown(f"Pareto front of {summary.study_name} ({trials})"))
     columns = ("#", "batch", "workers", "prefetch", "persist", "pin", "threads", "samples/s")
+    goodput = summary.noise is not None and base is not None
     for column in (*columns, "spread", "eff", "val_loss", "vs base"):
         table.add_column(column, justify="right", no_wrap=True)
+    if goodput:
+        table.add_column("goodput", justify="right", no_wrap=True)
     recommended = summary.recommended.point.number if summary.recommended else None
     rows = list(summary.pareto)
     if summary.recommended is not None and summary.recommended.point not in rows:
@@ -121,6 +131,7 @@ def print_summary(summary: StudySummary) -> None:
             _efficiency(point.loader_efficiency),
             f"{point.val_loss:.4f}",
             f"{point.throughput / base.throughput:.2f}x" if base else "-",
+            *([_goodput(summary, point)] if goodput else []),
         )
     out.print(table)
     out.print(
@@ -129,9 +140,17 @@ def print_summary(summary: StudySummary) -> None:
         "  vs base: median / the baseline's median (the speedup below is the paired one)\n"
         "  eff: loader efficiency, samples/s / the same model fed pre-decoded data"
         " (! above 100%: that ceiling reading was low, taken under load or by noise; later"
-        " trials read it again)",
+        " trials read it again)"
+        + (
+            "\n  goodput: samples/s x the statistical efficiency of the batch size against the"
+            " baseline's, as a multiple of the baseline's (the baseline's loss that much sooner)"
+            if goodput
+            else ""
+        ),
         soft_wrap=True,
     )
+    if summary.noise is not None:
+        out.print(f"  {critical_batch_text(summary.noise)}", soft_wrap=True)
     if base is not None:
         measured = ""
         if base.measurements:

@@ -25,6 +25,7 @@ from plotly.offline import get_plotlyjs
 
 from loader_search.reports._data import ReportData
 from loader_search.reports._figures import figures
+from loader_search.study import StudySummary, critical_batch_text
 
 # Plot ids, in page order; the browser test expects each container to hold a drawn plot.
 PLOT_IDS = (
@@ -180,11 +181,31 @@ def _recommendation(data: ReportData) -> str:
             f" ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)</td></tr>"
         )
     rows.append(f"<tr><th>Rule</th><td>{html.escape(rec.rule)}</td></tr>")
+    rows += _goodput_rows(s)
     return (
         '<section id="recommendation"><h2>Recommendation</h2>'
         f'<table class="kv">{"".join(rows)}</table>'
         f"<pre><code>{html.escape(rec.snippet)}</code></pre></section>"
     )
+
+
+def _goodput_rows(s: StudySummary) -> list[str]:
+    """The study's gradient noise scale in words, and each front setting's goodput."""
+    if s.noise is None:
+        return []
+    rows = [f"<tr><th>Noise scale</th><td>{html.escape(critical_batch_text(s.noise))}</td></tr>"]
+    if s.baseline is not None and s.baseline.throughput > 0:
+        shown = ", ".join(
+            f"#{p.number} (batch {p.params.batch_size}) {goodput / s.baseline.throughput:.2f}x"
+            for p in s.pareto
+            if (goodput := s.goodput(p)) is not None
+        )
+        rows.append(
+            "<tr><th>Goodput</th><td>samples/s times the statistical efficiency of the batch"
+            " size against the baseline's, as a multiple of the baseline's (its loss that much"
+            f" sooner): {html.escape(shown)}</td></tr>"
+        )
+    return rows
 
 
 def _pareto_note(data: ReportData) -> str:

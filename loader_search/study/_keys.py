@@ -19,7 +19,7 @@ from optuna.trial import FrozenTrial
 
 from loader_search._rules import check_value
 from loader_search.errors import ConfigError, UserError, show_value
-from loader_search.params import LoaderParams
+from loader_search.params import OBJECTIVES, LoaderParams, Objective
 from loader_search.trial import CUDA_OOM, HOST_OOM
 
 # -- Objectives (Optuna's values, in this order; their names are the study's metric names) --
@@ -34,6 +34,7 @@ FINGERPRINT_ATTR = "fingerprint"  # what a continued study must share with its c
 CONFIG_ATTR = "config"  # the validated config document, for workers
 BUDGET_ATTR = "trial_budget"  # the total trial budget, shared by every worker
 TOLERANCE_ATTR = "loss_tolerance"  # the recommendation's relative val_loss slack
+OBJECTIVE_ATTR = "objective"  # [study] objective: "throughput" or "goodput"
 CONFIRM_ATTR = "confirm"  # {"top", "min_rounds", "max_rounds", "half_width"} (see _confirm)
 STUDY_HARDWARE_ATTR = "hardware_class"  # the hardware class of the study's first trial
 # ... and, stored with it, that class in words (each trial's `HARDWARE_ATTR` has all of it):
@@ -194,3 +195,10 @@ def study_budget(study: str, attrs: Mapping[str, Any], default: int) -> int:
 def study_tolerance(study: str, attrs: Mapping[str, Any], default: float) -> float:
     """The recommendation's relative val_loss slack as stored (`stored_setting`)."""
     return float(stored_setting(study, attrs, TOLERANCE_ATTR, default, "study.loss_tolerance"))
+
+
+def stored_objective(attrs: Mapping[str, Any], default: Objective) -> Objective:
+    """The study's stored objective (the one ``run`` stored), else ``default``; a value
+    someone else wrote that is no objective reads as the default."""
+    value = attrs.get(OBJECTIVE_ATTR)
+    return value if value in OBJECTIVES else default  # type: ignore[return-value]

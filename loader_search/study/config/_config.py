@@ -28,7 +28,9 @@ from loader_search.params import (
     GRADIENT_ACCUMULATION,
     LR_SCALINGS,
     MATMUL_PRECISIONS,
+    OBJECTIVES,
     PRECISIONS,
+    Objective,
     TrainingSettings,
     TrialLimits,
     WorkersSettings,
@@ -127,6 +129,11 @@ class StudyConfig:
     # worker's own start-up and kept for the rounds; "fork", a child forked from the worker,
     # as every search trial (cheaper, its claims more often high: benchmarks/RESULTS.md).
     confirm_process: str = "fresh"
+    # What the recommendation and the paired rounds maximise: "throughput" (samples/s, the
+    # validation loss within loss_tolerance), or "goodput" (throughput times the statistical
+    # efficiency of the batch size at the study's gradient noise scale: the baseline's loss
+    # soonest; loader_search.study.stats._goodput).
+    objective: Objective = "throughput"
     workload: str = "synthetic-images"
     workload_options: Mapping[str, Any] = field(default_factory=dict)
     # ``[workload] command``: the user's own training script instead of a workload
@@ -164,6 +171,10 @@ class StudyConfig:
             )
         if self.command is not None:
             _check_command(self)
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(
+                "study.objective", self.objective, f"use one of {', '.join(OBJECTIVES)}"
+            )
         if self.confirm_process not in CONFIRM_PROCESSES:
             raise ConfigError(
                 "study.confirm_process",
@@ -360,6 +371,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
     confirm_process = study.string(
         "confirm_process", defaults.confirm_process, choices=CONFIRM_PROCESSES
     )
+    objective = study.string("objective", defaults.objective, choices=OBJECTIVES)
     study.done()
 
     command = parse_command(workload)
@@ -397,6 +409,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StudyConf
             confirm_max_rounds=confirm_max_rounds,
             confirm_half_width=confirm_half_width,
             confirm_process=confirm_process,
+            objective=objective,
             workload=workload_name,
             workload_options=options,
             command=command,

@@ -19,6 +19,7 @@ from loader_search.study._keys import (
     CONFIG_ATTR,
     CONFIRM_ATTR,
     FINGERPRINT_ATTR,
+    OBJECTIVE_ATTR,
     OPTUNA_VERSION_ATTR,
     PYTHON_VERSION_ATTR,
     SAMPLER_ATTR,
@@ -156,6 +157,7 @@ def store_settings(
             study.set_user_attr(key, value)
     study.set_user_attr(BUDGET_ATTR, budget)
     study.set_user_attr(TOLERANCE_ATTR, config.loss_tolerance)
+    study.set_user_attr(OBJECTIVE_ATTR, config.objective)
     study.set_user_attr(
         CONFIRM_ATTR,
         {

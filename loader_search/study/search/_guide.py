@@ -11,7 +11,15 @@ smooths bursts in it, yet moved throughput by 5% on the measured table (benchmar
 So round 3 measures the prefetch neighbours of the leader (the fastest setting measured within
 the loss tolerance): the next depths below and above its own on a doubling ladder, half and
 twice its depth where the range allows. Then the configured sampler goes on, with
-every model trial in its history. The
+every model trial in its history.
+
+Once a trial has measured the gradient noise scale (`loader_search.study.stats._goodput`), a
+round's proposals are queued by their predicted goodput, not their throughput: a batch size far
+above the noise scale, whose speed would be spent on convergence, is tried last. A goodput study
+(``[study] objective = "goodput"``) goes further: its rounds 2 and 3 leave out a batch size
+whose best predicted goodput cannot reach the leader's (the setting of the highest goodput
+measured), and the loss tolerance does not rule batch sizes out (the efficiency prices a
+larger batch's loss). The
 recommendation always rests on real measurements; the model only chooses what to measure and
 explains the result (the pipeline limit of a batch size, what bounds it, what would lift it).
 
@@ -21,14 +29,14 @@ lock, the benchmarks' replay from its own study), so every worker of a team agre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 from typing import Literal
 
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.params import LoaderParams
+from loader_search.params import LoaderParams, Objective
 from loader_search.study._keys import (
     CEILING_ATTR,
     COLLATE_COST,
@@ -51,6 +59,7 @@ from loader_search.study.search._pipeline import (
     fit,
 )
 from loader_search.study.search._space import IntRange, ResolvedSpace
+from loader_search.study.stats import pooled_noise_scale
 
 ROUNDS = 3  # the model's optima, the unsure batch sizes again, the leader's prefetch neighbours
 UNSURE_ERROR = 0.10  # a round-1 trial this far off its prediction: its batch size is unsure
@@ -82,6 +91,7 @@ class Guide:
     loss_tolerance: float | None = None
     # Ranks per trial: ``cpus`` is then one rank's share of the node's (see `PipelineModel`).
     ranks: int = 1
+    objective: Objective = "throughput"  # [study] objective (see the module docstring)
 
     def observations(self, trials: Sequence[FrozenTrial]) -> list[Observation]:
         """Completed, feasible trials of this machine class trained whole, as the model reads
@@ -136,11 +146,22 @@ class Guide:
         tried = {o.params for o in self.observations(trials)} | {
             p for p in (stored_params(t) for t in trials if t.state in pending) if p is not None
         }
+        efficiency = self._efficiency(trials)
         for round_ in range(done + 1, ROUNDS + 1):  # a round with nothing to ask is skipped
             wanted = self._round(round_, trials, model, tried)
             if wanted:
-                return sorted(wanted, key=lambda p: -p.predicted)
+                return sorted(wanted, key=lambda p: -p.predicted * efficiency(p.params))
         return []
+
+    def _efficiency(self, trials: Sequence[FrozenTrial]) -> Callable[[LoaderParams], float]:
+        """The statistical efficiency of a setting's batch size against the baseline's at
+        the study's noise scale (1 before a trial measured it)."""
+        noise = pooled_noise_scale(trials, interval=False)  # the estimate orders, alone
+        baseline = points_of(trials, self.hardware_class).baseline
+        if noise is None or baseline is None:
+            return lambda params: 1.0
+        reference = baseline.params.batch_size
+        return lambda params: noise.efficiency(params.batch_size, reference)
 
     def _round(
         self,
@@ -162,9 +183,18 @@ class Guide:
                 if params not in tried
             ]
         wanted = []
+        efficiency = self._efficiency(trials)
         for batch in self.space.batch_sizes:
             if batch not in allowed:
                 continue
+            best = model.best(batch, self.space)
+            if (
+                self.objective == "goodput"
+                and leader is not None
+                and best.throughput * efficiency(best.params)
+                < leader.throughput * efficiency(leader.params)
+            ):
+                continue  # its speed cannot pay for the samples it would cost
             if not self._unsure(trials, batch, model.best(batch, self.space)):
                 continue
             # The refitted optimum, or when it was measured already, its runner-up.
@@ -184,6 +214,11 @@ class Guide:
         within the loss tolerance is known to be above it), and the fastest setting measured
         within it (medians of repeats, as the recommendation reads them)."""
         found = points_of(trials, self.hardware_class)
+        if self.objective == "goodput":
+            efficiency = self._efficiency(trials)
+            return set(self.space.batch_sizes), max(
+                found.points, key=lambda p: p.throughput * efficiency(p.params), default=None
+            )
         if self.loss_tolerance is None or not found.pareto:
             return set(self.space.batch_sizes), max(
                 found.points, key=lambda p: p.throughput, default=None

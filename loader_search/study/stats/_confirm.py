@@ -46,6 +46,13 @@ its rounds).
 The verdict is "faster" when the interval's lower end is above 1, else "no_reliable_gain":
 at this noise level no setting is reliably faster than the baseline.
 
+**Goodput** (``[study] objective = "goodput"``): the candidates are the ``top`` settings of the
+highest goodput above the baseline's (`loader_search.study.stats._goodput`: throughput times the
+statistical efficiency of their batch size at the study's noise scale), the loss tolerance
+aside (the efficiency is what a larger batch's loss costs), and every round's ratio is scaled
+by the candidate's efficiency: the race, the verdicts and the claims are of goodput, the time
+to the baseline's loss.
+
 Pure: everything is computed from the trials given (the worker reads them under the study
 lock, the benchmarks' replay from its own study), so every worker of a team agrees.
 """
@@ -53,13 +60,13 @@ lock, the benchmarks' replay from its own study), so every worker of a team agre
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from statistics import fmean
 
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.params import LoaderParams
+from loader_search.params import LoaderParams, Objective
 from loader_search.study._keys import (
     CONFIRM_ROUND_ATTR,
     FAILURE_REASON,
@@ -70,6 +77,7 @@ from loader_search.study._keys import (
     trial_hardware_class,
 )
 from loader_search.study._points import is_feasible, points_of, tolerance_limit
+from loader_search.study.stats._goodput import pooled_noise_scale
 from loader_search.study.stats._paired import (
     FASTER,
     BlockTest,
@@ -106,6 +114,7 @@ class ConfirmSettings:
     # How the rounds' blocks are tested for a machine state that moved (`BlockTest`): the
     # code's choice too; "chi2", the test before, replays the studies recorded under it.
     block_test: BlockTest = "f"
+    objective: Objective = "throughput"  # [study] objective: what the rounds compare
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,9 @@ class Rounds:
     # round -> settings -> its trial's throughput (None: the trial failed; see measured_rounds)
     measured: dict[int, dict[LoaderParams, float | None]]
     block_test: BlockTest = "f"  # `ConfirmSettings.block_test`
+    # Goodput: each setting's statistical efficiency, by which its readings are scaled
+    # (absent: 1, a throughput).
+    scale: Mapping[LoaderParams, float] = field(default_factory=dict)
 
     @property
     def settings(self) -> tuple[LoaderParams, ...]:
@@ -151,7 +163,7 @@ class Rounds:
                 break
             mine, theirs = values.get(a), values.get(b)
             if mine and theirs:
-                out.append(mine / theirs)
+                out.append(mine * self.scale.get(a, 1.0) / (theirs * self.scale.get(b, 1.0)))
         return out
 
     def fresh(self, candidate: LoaderParams, before: int | None = None) -> list[float]:
@@ -162,7 +174,8 @@ class Rounds:
             return []
         alone = {self.baseline, candidate}
         kept = {n: v for n, v in self.measured.items() if set(v) == alone}
-        return Rounds(self.baseline, (candidate,), kept, self.block_test).ratios(candidate, before)
+        alone_rounds = Rounds(self.baseline, (candidate,), kept, self.block_test, self.scale)
+        return alone_rounds.ratios(candidate, before)
 
     def claims(self) -> dict[LoaderParams, PairedSpeedup]:
         """The speedups to state: from the rounds after the race (`fresh`), so that neither
@@ -188,7 +201,7 @@ class Rounds:
             base = values.get(self.baseline) if self.baseline else None
             mine = {p: values.get(p) for p in candidates}
             if base and all(mine.values()):
-                out.append({p: v / base for p, v in mine.items() if v})
+                out.append({p: v * self.scale.get(p, 1.0) / base for p, v in mine.items() if v})
         return out
 
     def active(self, round_: int, min_rounds: int) -> list[LoaderParams]:
@@ -265,13 +278,30 @@ def _disturbed(trial: FrozenTrial) -> bool:
 
 
 def paired_speedups(
-    trials: Sequence[FrozenTrial], baseline: LoaderParams, hardware_class: str | None = None
+    trials: Sequence[FrozenTrial],
+    baseline: LoaderParams,
+    hardware_class: str | None = None,
+    scale: Mapping[LoaderParams, float] | None = None,
 ) -> dict[LoaderParams, PairedSpeedup]:
     """The speedups over ``baseline`` to state from the rounds run so far (`Rounds.claims`:
-    settings measured in fewer than 2 rounds beside it have none)."""
+    settings measured in fewer than 2 rounds beside it have none); of goodput with
+    ``scale`` (`goodput_scale`)."""
     measured = measured_rounds(trials, hardware_class)
     settings = {p for values in measured.values() for p in values if p != baseline}
-    return Rounds(baseline, tuple(settings), measured).claims()
+    return Rounds(baseline, tuple(settings), measured, scale=scale or {}).claims()
+
+
+def goodput_scale(
+    trials: Sequence[FrozenTrial], settings: Sequence[LoaderParams], baseline: LoaderParams
+) -> dict[LoaderParams, float] | None:
+    """Each setting's statistical efficiency against ``baseline``'s batch size at the study's
+    noise scale, None where no trial measured it (a goodput study then compares
+    throughputs, and says so)."""
+    noise = pooled_noise_scale(trials, interval=False)  # the rounds scale by the estimate
+    if noise is None:
+        return None
+    reference = baseline.batch_size
+    return {p: noise.efficiency(p.batch_size, reference) for p in (*settings, baseline)}
 
 
 def rounds_of(
@@ -282,22 +312,31 @@ def rounds_of(
     searched = points_of([t for t in trials if not is_confirmation(t)], hardware_class)
     baseline = searched.baseline
     candidates: list[LoaderParams] = []
+    scale: dict[LoaderParams, float] = {}
     if baseline is not None and searched.pareto and confirm.top > 0:
         limit = tolerance_limit(
             searched.pareto, baseline, confirm.loss_tolerance, searched.baseline_doubt
         )[0]
+        if confirm.objective == "goodput":
+            found = goodput_scale(trials, [p.params for p in searched.points], baseline.params)
+            scale = found or {}
+            if found is not None:
+                limit = math.inf  # the efficiency is what a larger batch's loss costs
         faster = [
             p
             for p in searched.points
-            if p.val_loss <= limit and p.throughput > baseline.throughput and not p.is_baseline
+            if p.val_loss <= limit
+            and p.throughput * scale.get(p.params, 1.0) > baseline.throughput
+            and not p.is_baseline
         ]
-        faster.sort(key=lambda p: (-p.throughput, p.number))
+        faster.sort(key=lambda p: (-p.throughput * scale.get(p.params, 1.0), p.number))
         candidates = [p.params for p in faster[: confirm.top]]
     return Rounds(
         baseline.params if baseline is not None else None,
         tuple(candidates),
         measured_rounds(trials, hardware_class),
         confirm.block_test,
+        scale,
     )
 
 

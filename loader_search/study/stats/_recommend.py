@@ -13,6 +13,13 @@ candidate with the highest paired speedup (one surely faster than the baseline b
 that may not be), stated with its 95% interval and a verdict. Before that (a study still
 searching, or one run with confirmation off), it is the fastest Pareto-optimal point within
 the tolerance, with a bare ratio of medians and no verdict.
+
+With ``[study] objective = "goodput"`` and a noise scale measured
+(`loader_search.study.stats._goodput`), the rule is "the baseline's loss soonest": the
+confirmed candidate of the highest paired goodput speedup (throughput times the statistical
+efficiency of its batch size), its interval widened by the noise scale's; before the rounds,
+the setting of the highest goodput, Pareto-optimal or not. The loss tolerance does not apply:
+the efficiency is what a larger batch's loss costs.
 """
 
 from __future__ import annotations
@@ -27,11 +34,17 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from loader_search._snippets import dataloader_snippet, node_totals
-from loader_search.params import STEP_KEYS, LoaderParams, TrainingSettings
-from loader_search.study._keys import FINGERPRINT_ATTR, HARDWARE_CLASS_ATTR, PIPELINE_ATTR
+from loader_search.params import STEP_KEYS, LoaderParams, Objective, TrainingSettings
+from loader_search.study._keys import (
+    FINGERPRINT_ATTR,
+    HARDWARE_CLASS_ATTR,
+    PIPELINE_ATTR,
+    stored_objective,
+)
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 from loader_search.study.search import Bottleneck, Lift, LimitSource, PipelineSnapshot
-from loader_search.study.stats._confirm import paired_speedups
+from loader_search.study.stats._confirm import goodput_scale, paired_speedups
+from loader_search.study.stats._goodput import NoiseScale, pooled_noise_scale
 from loader_search.study.stats._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
 from loader_search.trial import placeholder_values, render_command
 
@@ -89,6 +102,9 @@ class Recommendation:
     # A command's study: the command line that runs the recommendation (its placeholders
     # filled in with the recommended values), shown first.
     command_line: str | None = None
+    # "goodput": ``speedup_vs_baseline`` and ``paired`` are of goodput (time to the
+    # baseline's loss), not of samples per second.
+    objective: Objective = "throughput"
 
     @property
     def snippet(self) -> str:
@@ -106,9 +122,12 @@ class Recommendation:
         "keep it" when no setting is reliably faster, and never a bare number unmarked."""
         if self.speedup_vs_baseline is None:
             return None
+        what = "the baseline"
+        if self.objective == "goodput":
+            what = "the baseline's goodput (its loss that much sooner)"
         if self.paired is None:
             return (
-                f"{self.speedup_vs_baseline:.2f}x the baseline (not confirmed in paired"
+                f"{self.speedup_vs_baseline:.2f}x {what} (not confirmed in paired"
                 " rounds: no interval)"
             )
         interval = (
@@ -121,9 +140,11 @@ class Recommendation:
                 " them, so a rerun may well differ"
             )
         if self.paired.verdict == "faster":
-            return f"{self.speedup_vs_baseline:.2f}x the baseline ({interval})"
+            return f"{self.speedup_vs_baseline:.2f}x {what} ({interval})"
+        faster = "reliably faster than" if self.objective != "goodput" else "sure to reach"
+        reach = " your baseline's loss sooner than it" if self.objective == "goodput" else ""
         return (
-            "no setting is reliably faster than your baseline at this noise level (the best"
+            f"no setting is {faster}{reach or ' your baseline'} at this noise level (the best"
             f" candidate: {self.speedup_vs_baseline:.2f}x, {interval}): keep it"
         )
 
@@ -146,6 +167,7 @@ class Recommendation:
             "blocks_disagree": self.paired.blocks_disagree if self.paired else None,
             "val_loss_change_vs_baseline": self.val_loss_change_vs_baseline,
             "rule": self.rule,
+            "objective": self.objective,
             "snippet": self.snippet,
             "pipeline": self.pipeline.as_dict() if self.pipeline else None,
             "ranks": self.ranks,
@@ -173,6 +195,20 @@ class StudySummary:
     hardware_class: str | None = None  # set when the summary covers one class of several
     # Why the baseline's val_loss is not the recommendation's reference (None: it is).
     baseline_doubt: str | None = None
+    # The study's gradient noise scale (None: no trial measured it) and what it maximises.
+    noise: NoiseScale | None = None
+    objective: Objective = "throughput"
+
+    def goodput(self, point: TrialPoint) -> float | None:
+        """``point``'s goodput against the baseline's batch size, in samples per second of
+        the baseline's progress (None without a noise scale or a baseline)."""
+        if self.noise is None or self.baseline is None:
+            return None
+        reference = self.baseline.params.batch_size
+        return point.throughput * self.noise.efficiency(point.params.batch_size, reference)
+
+    def _point(self, point: TrialPoint) -> dict[str, Any]:
+        return {**point.as_dict(), "goodput": self.goodput(point)}
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -185,10 +221,16 @@ class StudySummary:
                 "running": self.n_running,
             },
             "loss_tolerance": self.loss_tolerance,
-            "baseline": self.baseline.as_dict() if self.baseline else None,
+            "objective": self.objective,
+            "gradient_noise_scale": self.noise.as_dict() if self.noise else None,
+            "baseline": self._point(self.baseline) if self.baseline else None,
             "baseline_doubt": self.baseline_doubt,
-            "pareto": [p.as_dict() for p in self.pareto],
-            "recommended": self.recommended.as_dict() if self.recommended else None,
+            "pareto": [self._point(p) for p in self.pareto],
+            "recommended": (
+                {**self.recommended.as_dict(), "goodput": self.goodput(self.recommended.point)}
+                if self.recommended
+                else None
+            ),
         }
 
 
@@ -198,12 +240,19 @@ def recommend(
     loss_tolerance: float,
     confirmed: Mapping[TrialPoint, PairedSpeedup] | None = None,
     doubt: str | None = None,
+    *,
+    noise: NoiseScale | None = None,
+    points: Sequence[TrialPoint] = (),
 ) -> Recommendation | None:
     """Apply the recommendation rule (see the module docstring) to a Pareto front and the
     points ``confirmed`` in paired rounds; with ``doubt`` about the baseline's val_loss,
-    the tolerance is applied to the best val_loss instead."""
+    the tolerance is applied to the best val_loss instead. With ``noise`` (a goodput study
+    that measured it), the goodput rule over ``points`` (every setting), the ``confirmed``
+    speedups being of goodput."""
     if not pareto:
         return None
+    if noise is not None and baseline is not None:
+        return _by_goodput(tuple(points) or pareto, baseline, noise, confirmed or {})
     limit, reference, what = tolerance_limit(pareto, baseline, loss_tolerance, doubt)
     allowed = f"val_loss <= {limit:.4g} ({what} {reference:.4g} + {loss_tolerance:.0%})"
     within = {p: s for p, s in (confirmed or {}).items() if p.val_loss <= limit}
@@ -224,6 +273,44 @@ def recommend(
     if baseline is not None:
         change = (chosen.val_loss - baseline.val_loss) / abs(baseline.val_loss)
     return Recommendation(chosen, speedup, change, rule, paired=paired)
+
+
+def _by_goodput(
+    points: Sequence[TrialPoint],
+    baseline: TrialPoint,
+    noise: NoiseScale,
+    confirmed: Mapping[TrialPoint, PairedSpeedup],
+) -> Recommendation:
+    """The goodput rule (see the module docstring)."""
+    reference = baseline.params.batch_size
+    at = f"B_noise ~ {noise.value:,.0f}, the baseline's batch {reference}"
+    paired: PairedSpeedup | None = None
+    if confirmed:
+        chosen, paired = max(confirmed.items(), key=lambda item: preference(item[1]))
+        # The rounds scaled each reading by the efficiency at the estimate; the noise
+        # scale's own interval widens the claim's.
+        low, high = noise.efficiency_range(chosen.params.batch_size, reference)
+        middle = noise.efficiency(chosen.params.batch_size, reference)
+        paired = replace(paired, low=paired.low * low / middle, high=paired.high * high / middle)
+        speedup: float = paired.estimate
+        rule = (
+            "the highest goodput speedup over the baseline in paired rounds (throughput times"
+            f" the statistical efficiency of its batch size at {at}: the baseline's loss"
+            " soonest), among the confirmed candidates"
+        )
+    else:
+
+        def goodput(point: TrialPoint) -> float:
+            return point.throughput * noise.efficiency(point.params.batch_size, reference)
+
+        chosen = max(points, key=lambda p: (goodput(p), -p.val_loss))
+        speedup = goodput(chosen) / baseline.throughput
+        rule = (
+            "the highest goodput (throughput times the statistical efficiency of its batch"
+            f" size at {at}: the baseline's loss soonest)"
+        )
+    change = (chosen.val_loss - baseline.val_loss) / abs(baseline.val_loss)
+    return Recommendation(chosen, speedup, change, rule, paired=paired, objective="goodput")
 
 
 def hardware_classes(study: optuna.Study) -> list[str]:
@@ -251,8 +338,13 @@ def summarize(
     """The study's results, or those of one ``hardware_class`` (throughputs measured on
     different machines never compare). The Pareto set is that of the feasible completed
     trials (equal to Optuna's ``best_trials`` for a whole study), sorted fastest first."""
+    objective = stored_objective(study.user_attrs, "throughput")
     summary = summarize_trials(
-        study.study_name, study.get_trials(deepcopy=False), loss_tolerance, hardware_class
+        study.study_name,
+        study.get_trials(deepcopy=False),
+        loss_tolerance,
+        hardware_class,
+        objective=objective,
     )
     rec = summary.recommended
     if rec is None:
@@ -325,13 +417,36 @@ def summarize_trials(
     trials: Sequence[FrozenTrial],
     loss_tolerance: float,
     hardware_class: str | None = None,
+    *,
+    objective: Objective = "throughput",
 ) -> StudySummary:
     """`summarize` over given trials (the benchmarks replay studies trial by trial)."""
     found = points_of(trials, hardware_class)
+    noise = pooled_noise_scale(trials)
     confirmed: dict[TrialPoint, PairedSpeedup] = {}
+    by_goodput = objective == "goodput" and noise is not None
     if found.baseline is not None:
-        speedups = paired_speedups(trials, found.baseline.params, hardware_class)
+        base = found.baseline.params
+        scale = None
+        if by_goodput:
+            scale = goodput_scale(trials, [p.params for p in found.points], base)
+        speedups = paired_speedups(trials, base, hardware_class, scale)
         confirmed = {p: speedups[p.params] for p in found.points if p.params in speedups}
+    recommended = recommend(
+        found.pareto,
+        found.baseline,
+        loss_tolerance,
+        confirmed,
+        found.baseline_doubt,
+        noise=noise if by_goodput else None,
+        points=found.points,
+    )
+    if objective == "goodput" and not by_goodput and recommended is not None:
+        recommended = replace(
+            recommended,
+            rule=f"{recommended.rule} (a goodput study, but no trial has measured the gradient"
+            " noise scale: by throughput)",
+        )
     return StudySummary(
         study_name=study_name,
         n_complete=found.n_complete,
@@ -339,13 +454,13 @@ def summarize_trials(
         n_running=found.n_running,
         baseline=found.baseline,
         pareto=found.pareto,
-        recommended=recommend(
-            found.pareto, found.baseline, loss_tolerance, confirmed, found.baseline_doubt
-        ),
+        recommended=recommended,
         baseline_doubt=found.baseline_doubt,
         loss_tolerance=loss_tolerance,
         n_infeasible=found.n_infeasible,
         hardware_class=hardware_class,
+        noise=noise,
+        objective=objective,
     )
 
 

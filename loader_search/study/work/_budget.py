@@ -24,6 +24,7 @@ from loader_search.study._keys import (
     FAILURE_REASON,
     REFUSED,
     RETRY_HISTORY,
+    stored_objective,
     stored_setting,
     stored_table,
     study_tolerance,
@@ -128,6 +129,7 @@ def confirm_settings(
         max_rounds=max(low, int(setting("max_rounds", config.confirm_max_rounds))),
         half_width=float(setting("half_width", config.confirm_half_width)),
         loss_tolerance=study_tolerance(study, attrs, config.loss_tolerance),
+        objective=stored_objective(attrs, config.objective),
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.params import LoaderParams
+from loader_search.params import LoaderParams, Objective
 from loader_search.study._events import Reporter
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -150,7 +150,7 @@ def take_trial(
         attrs = study.user_attrs
         _bind_hardware(session, attrs)
         confirm = confirm_settings(attrs, session.config, study.study_name)
-        guide = _guide(session, confirm.loss_tolerance)
+        guide = _guide(session, confirm.loss_tolerance, confirm.objective)
         # Fitted once per take: for the proposals, this trial's prediction and the snapshot;
         # under the lock only while the model may still propose.
         asks = guide is not None and not grid and guide.may_propose(trials)
@@ -306,9 +306,10 @@ def hold_limit(session: Session) -> float:
     return max(float(session.config.workers.grace_period_s), MIN_HOLD_LIMIT_S)
 
 
-def _guide(session: Session, loss_tolerance: float) -> Guide | None:
+def _guide(session: Session, loss_tolerance: float, objective: Objective) -> Guide | None:
     """The pipeline model for this worker's machine class, unless the config turned it off;
-    ``loss_tolerance`` is the study's stored one, so every worker proposes alike."""
+    ``loss_tolerance`` and ``objective`` are the study's stored ones, so every worker
+    proposes alike."""
     if not session.config.sampler.model:
         return None
     hardware = session.hardware
@@ -321,6 +322,7 @@ def _guide(session: Session, loss_tolerance: float) -> Guide | None:
         hardware.hardware_class,
         loss_tolerance,
         ranks=ranks,
+        objective=objective,
     )
 
 
