@@ -1,6 +1,6 @@
 """``python -m benchmarks {ground-truth,resolve,replay,speedup,claims,agreement,scale,backends,
-all} [--quick]``, and ``python -m benchmarks {steps,ranks,selection,stopping,script} ...`` with
-options of their own (``--help`` after the name).
+all} [--quick]``, and ``python -m benchmarks {steps,ranks,selection,stopping,script,goodput}
+...`` with options of their own (``--help`` after the name).
 
 See benchmarks/README.md.
 """
@@ -23,6 +23,7 @@ from benchmarks import (
     agreement,
     backends,
     claims,
+    goodput,
     ground_truth,
     model,
     ranks,
@@ -48,6 +49,7 @@ OWN_OPTIONS: dict[str, Callable[[list[str]], None]] = {
     "selection": selection.main,
     "stopping": stopping.main,
     "script": script.main,
+    "goodput": goodput.main,
 }
 
 
