@@ -17,6 +17,13 @@ budget with a throughput window, and the validation loss the script reported aft
 (``loader_search.report(val_loss=...)`` or ``val_loss_pattern`` over its output) unless the
 plan needs throughput only. Every other end becomes a `TrialFailure` with the command's last
 lines of output.
+
+A plan that asks for the ceiling runs the command a second time, the hook in ``ceiling`` mode
+(`loader_search.trial._hookloop`: the script's step fed two batches from memory); the reading
+is the trial's ``ceiling_samples_per_s``, and a second run that fails leaves the trial without
+one. The stage costs come from the hook's files (`loader_search.trial._command_read`), and a
+first look before a study searches (`loader_search.trial._probe`) runs the command in ``probe``
+mode.
 """
 
 from __future__ import annotations
