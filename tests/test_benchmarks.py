@@ -302,3 +302,21 @@ def test_the_script_benchmark_reads_both_kinds_side_by_side(tmp_path: Path) -> N
     for kind in ("built-in", "script"):
         assert results["studies"][kind]["wall_s"] > 0
         assert results["studies"][kind]["recommended"].startswith("Recommended:")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_goodput_benchmark_times_each_batch_size_to_the_target(tmp_path: Path) -> None:
+    _benchmark("goodput", "--quick", "--out", str(tmp_path), timeout_s=580)
+    results = json.loads((tmp_path / "goodput.json").read_text())
+    (workload,) = results["workloads"]
+    assert workload["workload"] == "synthetic-images"
+    noise = workload["noise_scale"]
+    assert noise is not None and noise["ci95"][0] <= noise["value"] <= noise["ci95"][1]
+    rows = workload["rows"]
+    assert set(rows) == {"64", "128"}
+    # The reference reaches its own loss; every row has its prediction beside it.
+    assert rows["64"]["predicted_time_ratio"] == 1.0 and rows["64"]["median_time_s"] > 0
+    assert all(r["goodput"] > 0 and r["predicted_samples_ratio"] > 0 for r in rows.values())
+    assert workload["goodput_pick"] in (64, 128) and workload["throughput_pick"] in (64, 128)
+    assert "## synthetic-images" in (tmp_path / "goodput.md").read_text()

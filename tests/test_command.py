@@ -410,19 +410,22 @@ def test_a_killed_torchrun_rank_is_no_out_of_memory_and_leaves_nothing(tmp_path:
     assert "SIGKILL" in outcome.failure.traceback or "Signal 9" in outcome.failure.traceback
 
 
+def _lightning_job(argv: list[str], folder: Path, samples: int) -> TrialJob:
+    """A trial of batches of 32 with a loader worker, for a Lightning script written for 64."""
+    return TrialJob(
+        None,
+        LoaderParams(batch_size=32, num_workers=1, prefetch_factor=2),
+        TrainingSettings(train_samples=samples, batch_size=64, warmup_batches=2),
+        "cpu",
+        command=CommandSpec(tuple(argv), str(folder)),
+    )
+
+
 @pytest.mark.slow  # a framework's or torchrun's own start-up, seconds a trial
 @pytest.mark.timeout(180)
 def test_a_lightning_script_is_tuned_and_its_logged_loss_read() -> None:
     pytest.importorskip("pytorch_lightning")
-    argv = [sys.executable, "train_lightning.py"]
-    params = LoaderParams(batch_size=32, num_workers=1, prefetch_factor=2)
-    job = TrialJob(
-        None,
-        params,
-        TrainingSettings(train_samples=1024, batch_size=64, warmup_batches=2),
-        "cpu",
-        command=CommandSpec(tuple(argv), str(EXAMPLES)),
-    )
+    job = _lightning_job([sys.executable, "train_lightning.py"], EXAMPLES, 1024)
     outcome = _run(job, timeout_s=90.0)
     assert outcome.failure is None, outcome.failure
     result = outcome.result
@@ -430,6 +433,51 @@ def test_a_lightning_script_is_tuned_and_its_logged_loss_read() -> None:
     assert result is not None and result.val_loss is not None and 0 < result.val_loss < 10
     assert result.loader_site is not None and "train_lightning.py:" in result.loader_site
     assert 1024 <= result.train_samples < 1024 + 32
+
+
+LIGHTNING_DDP = """
+import sys
+sys.path.insert(0, {examples!r})
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader
+from train import data_and_model
+from train_lightning import Classifier
+
+if __name__ == "__main__":
+    train_set, val_set, model = data_and_model(seed=0)
+    trainer = pl.Trainer(
+        max_epochs=1000, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(
+        Classifier(model, lr=0.02),
+        DataLoader(train_set, batch_size=64, shuffle=True, num_workers=0),
+        DataLoader(val_set, batch_size=256),
+    )
+"""
+
+
+@pytest.mark.slow  # a framework's own start-up and two ranks, seconds a trial
+@pytest.mark.timeout(240)
+def test_lightning_ddp_re_creates_the_loader_in_every_rank_and_keeps_the_trials_settings(
+    tmp_path: Path,
+) -> None:
+    # Lightning's DDP starts the second rank as a new process of the same script and, in
+    # each rank, re-creates the script's DataLoader with a DistributedSampler: the hook sees
+    # both ranks, and the re-created loader keeps the trial's batch size and workers.
+    pytest.importorskip("pytorch_lightning")
+    script = tmp_path / "ddp_lightning.py"
+    script.write_text(LIGHTNING_DDP.format(examples=str(EXAMPLES)))
+    job = _lightning_job([sys.executable, str(script)], tmp_path, 2048)
+    outcome = _run(job, timeout_s=120.0)
+    assert outcome.failure is None, outcome.failure
+    result = outcome.result
+    assert result is not None and result.ranks == 2 and result.per_rank is not None
+    # Each rank trained its share of the budget in batches of the trial's 32, not the 64
+    # the script wrote: 1,024 samples a rank, at most one batch over.
+    assert 2048 <= result.train_samples <= 2048 + 2 * 32
+    assert result.val_loss is not None and 0 < result.val_loss < 10
+    assert result.loader_site is not None and "ddp_lightning.py:" in result.loader_site
 
 
 def test_a_setting_the_training_loader_cannot_take_fails_naming_it(tmp_path: Path) -> None:

@@ -102,18 +102,23 @@ def _linear_classifier() -> Workload:
     )
 
 
-def test_splitting_batches_to_measure_leaves_training_unchanged() -> None:
-    # A model that treats samples independently: the halves' weighted gradients sum to the
-    # batch's, so the run is the same up to floating point (with momentum SGD and 12 epochs,
-    # any difference in the update would grow).
-    workload = _linear_classifier()
-    settings = TrainingSettings(train_samples=6000, batch_size=BATCH, warmup_batches=1)
+def _on_and_off(workload: Workload, samples: int) -> tuple[TrialResult, TrialResult]:
+    """The same trial with the noise probe and without; their training must be the same."""
+    settings = TrainingSettings(train_samples=samples, batch_size=BATCH, warmup_batches=1)
     params = LoaderParams(batch_size=BATCH)
     on = run_trial(workload, params, settings)
     off = run_trial(workload, params, settings, measure_noise=False)
     assert on.val_loss is not None and off.val_loss is not None
     assert on.val_loss == pytest.approx(off.val_loss, rel=1e-5)
     assert on.final_train_loss == pytest.approx(off.final_train_loss, rel=1e-5)
+    return on, off
+
+
+def test_splitting_batches_to_measure_leaves_training_unchanged() -> None:
+    # A model that treats samples independently: the halves' weighted gradients sum to the
+    # batch's, so the run is the same up to floating point (with momentum SGD and 12 epochs,
+    # any difference in the update would grow).
+    on, off = _on_and_off(_linear_classifier(), 6000)
     assert on.untrained_loss == pytest.approx(off.untrained_loss, rel=1e-6)
     assert off.gradient_noise_scale is None and off.noise_steps is None
     # 512 samples = 8 full batches an epoch; the run's last batch (6000 = 93 x 64 + 48) is
@@ -142,14 +147,7 @@ def test_a_batchnorm_model_is_measured_by_a_side_pass_that_leaves_training_uncha
     def with_dropout() -> nn.Module:
         return nn.Sequential(nn.Dropout(0.1), make_model())
 
-    workload = replace(workload, make_model=with_dropout)
-    settings = TrainingSettings(train_samples=2048, warmup_batches=1)
-    params = LoaderParams(batch_size=BATCH)
-    on = run_trial(workload, params, settings)
-    off = run_trial(workload, params, settings, measure_noise=False)
-    assert on.val_loss is not None and off.val_loss is not None
-    assert on.val_loss == pytest.approx(off.val_loss, rel=1e-5)
-    assert on.final_train_loss == pytest.approx(off.final_train_loss, rel=1e-5)
+    on, off = _on_and_off(replace(workload, make_model=with_dropout), 2048)
     assert off.noise_steps is None
     # 2048 samples = 32 full batches of 64; the last of every SIDE_EVERY is measured.
     assert on.noise_steps == 32 // SIDE_EVERY and on.noise_small_batch == BATCH // 2
