@@ -47,8 +47,12 @@ from torch import nn
 # on its own (about 30-60% standard error), one a study pools over its trials.
 SPLIT_EVERY = 8
 # A side pass (BatchNorm) costs half a batch's forward and backward, and copies of the
-# gradients and the running statistics: every 16th full batch, about 3% of the step's compute
-# (`python -m tests.test_noise` measures it).
+# gradients and the running statistics: a quickstart step (batch 64, one thread) with one took
+# 1.55-1.64x a plain step (5 repeats of 100 steps each way, interleaved; `python -m
+# tests.test_noise`), so every 16th full batch costs the steps 3.5-4.0% of their time, above
+# the 3% aimed at. Rarer passes, or passes only outside the throughput reading (the warm-up and
+# after the study's mark: late in training, where |G|^2 is small), left too few usable steps:
+# the quickstart's pooled |G|^2 came out below zero, no figure at all.
 SIDE_EVERY = 16
 # Contiguous blocks of steps the standard error is computed from (batch means): the steps of
 # one trial are correlated (the parameters drift), blocks of many steps much less so.
