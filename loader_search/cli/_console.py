@@ -54,9 +54,13 @@ def shown(text: str) -> str:
     return escape(printable(text))
 
 
-# Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)
+# Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80 columns: 132,
+# the width of the Pareto table with its goodput column, so no header is cut.
+PIPED_WIDTH = 132
+console = Console(highlight=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+err_console = Console(
+    stderr=True, highlight=False, width=None if sys.stderr.isatty() else PIPED_WIDTH
+)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
