@@ -77,7 +77,7 @@ from loader_search.study._keys import (
     trial_hardware_class,
 )
 from loader_search.study._points import is_feasible, points_of, tolerance_limit
-from loader_search.study.stats._goodput import pooled_noise_scale
+from loader_search.study.stats._goodput import NoiseScale, pooled_noise_scale
 from loader_search.study.stats._paired import (
     FASTER,
     BlockTest,
@@ -298,8 +298,14 @@ def goodput_scale(
     noise scale, None where no trial measured it (a goodput study then compares
     throughputs, and says so)."""
     noise = pooled_noise_scale(trials, interval=False)  # the rounds scale by the estimate
-    if noise is None:
-        return None
+    return None if noise is None else efficiencies(noise, settings, baseline)
+
+
+def efficiencies(
+    noise: NoiseScale, settings: Sequence[LoaderParams], baseline: LoaderParams
+) -> dict[LoaderParams, float]:
+    """Each setting's (and the baseline's) statistical efficiency at ``noise``'s estimate,
+    against the baseline's batch size."""
     reference = baseline.batch_size
     return {p: noise.efficiency(p.batch_size, reference) for p in (*settings, baseline)}
 

@@ -43,7 +43,7 @@ from loader_search.study._keys import (
 )
 from loader_search.study._points import TrialPoint, points_of, tolerance_limit
 from loader_search.study.search import Bottleneck, Lift, LimitSource, PipelineSnapshot
-from loader_search.study.stats._confirm import goodput_scale, paired_speedups
+from loader_search.study.stats._confirm import efficiencies, paired_speedups
 from loader_search.study.stats._goodput import NoiseScale, pooled_noise_scale
 from loader_search.study.stats._paired import FASTER, NO_RELIABLE_GAIN, PairedSpeedup, preference
 from loader_search.trial import placeholder_values, render_command
@@ -141,11 +141,12 @@ class Recommendation:
             )
         if self.paired.verdict == "faster":
             return f"{self.speedup_vs_baseline:.2f}x {what} ({interval})"
-        faster = "reliably faster than" if self.objective != "goodput" else "sure to reach"
-        reach = " your baseline's loss sooner than it" if self.objective == "goodput" else ""
+        none = "no setting is reliably faster than your baseline"
+        if self.objective == "goodput":
+            none = "no setting is sure to reach your baseline's loss sooner than it"
         return (
-            f"no setting is {faster}{reach or ' your baseline'} at this noise level (the best"
-            f" candidate: {self.speedup_vs_baseline:.2f}x, {interval}): keep it"
+            f"{none} at this noise level (the best candidate:"
+            f" {self.speedup_vs_baseline:.2f}x, {interval}): keep it"
         )
 
     @property
@@ -429,7 +430,8 @@ def summarize_trials(
         base = found.baseline.params
         scale = None
         if by_goodput:
-            scale = goodput_scale(trials, [p.params for p in found.points], base)
+            assert noise is not None
+            scale = efficiencies(noise, [p.params for p in found.points], base)
         speedups = paired_speedups(trials, base, hardware_class, scale)
         confirmed = {p: speedups[p.params] for p in found.points if p.params in speedups}
     recommended = recommend(
