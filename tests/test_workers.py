@@ -1,5 +1,6 @@
 """Many worker processes on one study: the real `loader-search worker` command against real
-PostgreSQL, MariaDB and SQLite databases (each test creates and drops its own database)."""
+PostgreSQL, MariaDB and SQLite databases (each test creates and drops its own database; the
+tests that take PostgreSQL down take down a server of their own, `tests._own_postgres`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from optuna.trial import TrialState
 from loader_search.study import CONFIRMATION_ATTR, FAILURE_REASON, WORKER_ATTR
 from loader_search.study.work import count_finished
 from loader_search.workloads import Workload
+from tests._own_postgres import OwnPostgres, own_postgres, unavailable
 from tests.conftest import (
     CONFIRMED_CONFIG,
     MARIADB_URL,
@@ -51,6 +53,19 @@ def team_db(request: pytest.FixtureRequest) -> Iterator[str]:
 def postgres_db() -> Iterator[str]:
     with scratch_database(POSTGRES_URL) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[OwnPostgres]:
+    """A PostgreSQL server these tests may stop (the module's tests share it, each with its own
+    study names)."""
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("LOADER_SEARCH_REQUIRE_DBS"):
+            pytest.fail(f"a private PostgreSQL server is required but cannot be made: {why}")
+        pytest.skip(why)
+    with own_postgres() as server:
+        yield server
 
 
 @pytest.fixture
@@ -205,7 +220,7 @@ def test_a_killed_worker_s_trial_is_retried(
 
 @pytest.mark.slow
 def test_a_database_restart_loses_no_result(
-    postgres_db: str, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
+    own_server: OwnPostgres, config: Callable[..., Path], tmp_path: Path, env: dict[str, str]
 ) -> None:
     # Trials of a few seconds, so that the server goes down while both workers train: the
     # GPU stand-in's wait (0.5 ms a sample) makes their length independent of this CPU's
@@ -215,6 +230,7 @@ def test_a_database_restart_loses_no_result(
     stand_in = "val_size = 64\ndevice_us_per_sample = 500"
     path.write_text(path.read_text().replace("val_size = 64", stand_in))
     study_config = str(path)
+    postgres_db = own_server.url
     assert run_cli("init", study_config, "--storage", postgres_db, env=env).returncode == 0
     workers = [
         Worker(tmp_path, i, ["tiny", "--storage", postgres_db, "--cpus", str(i)], env)
@@ -230,9 +246,9 @@ def test_a_database_restart_loses_no_result(
 
     _wait_for(just_started, 60, "a trial to start")
     restarted_at, restarted_wall = time.monotonic(), datetime.now()
-    subprocess.run(_pg_ctl("restart"), check=True, capture_output=True, timeout=120)
+    own_server.restart()
     returned_wall = datetime.now()  # the server was down in between, and is up again
-    _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
+    _wait_for(lambda: _postgres_answers(postgres_db), 60, "PostgreSQL to answer again")
     back_at, back_wall = time.monotonic(), datetime.now()
     for worker in workers:
         assert worker.wait() == 0, worker.output
@@ -265,32 +281,25 @@ def test_a_database_restart_loses_no_result(
     )
 
 
-def _pg_ctl(action: str) -> list[str]:
-    versions = sorted(os.listdir("/etc/postgresql"))
-    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", action]
-
-
 @contextlib.contextmanager
-def _postgres_down(seconds: float) -> Iterator[None]:
-    """The server stopped now and started again ``seconds`` later, while the block runs; on
+def _postgres_down(server: OwnPostgres, seconds: float) -> Iterator[None]:
+    """``server`` stopped now and started again ``seconds`` later, while the block runs; on
     leaving it, the server answers again."""
-    subprocess.run(_pg_ctl("stop"), check=True, capture_output=True, timeout=120)
-    restart = threading.Timer(
-        seconds, lambda: subprocess.run(_pg_ctl("start"), check=True, timeout=120)
-    )
+    server.stop()
+    restart = threading.Timer(seconds, server.start)
     restart.start()
     try:
         yield
     finally:
         restart.join()
-        _wait_for(_postgres_answers, 60, "PostgreSQL to answer again")
+        _wait_for(lambda: _postgres_answers(server.url), 60, "PostgreSQL to answer again")
 
 
-def _postgres_answers() -> bool:
+def _postgres_answers(url: str) -> bool:
     import sqlalchemy
 
     try:
-        engine = sqlalchemy.create_engine(POSTGRES_URL)
+        engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": 5})
         with engine.connect():
             pass
         engine.dispose()
@@ -368,7 +377,7 @@ def test_worker_errors_are_one_line(tmp_path: Path, env: dict[str, str]) -> None
 
 
 def test_a_result_written_during_an_outage_is_kept(
-    postgres_db: str, tiny_workload: Workload
+    own_server: OwnPostgres, tiny_workload: Workload
 ) -> None:
     """The database stops just as a trial finishes; its result is written once it is back."""
     from loader_search.params import LoaderParams, TrainingSettings
@@ -377,6 +386,7 @@ def test_a_result_written_during_an_outage_is_kept(
     from loader_search.team import open_storage
     from loader_search.trial import TrialOutcome, run_trial
 
+    postgres_db = own_server.url
     study = optuna.create_study(
         study_name="outage", storage=open_storage(postgres_db), directions=list(DIRECTIONS)
     )
@@ -384,7 +394,7 @@ def test_a_result_written_during_an_outage_is_kept(
     params = LoaderParams(batch_size=16, num_workers=0, torch_threads=1)
     result = run_trial(tiny_workload, params, TrainingSettings(train_samples=256))
     outcome = TrialOutcome(result=result, failure=None, wall_s=1.0, startup_s=0.0)
-    with _postgres_down(3.0):
+    with _postgres_down(own_server, 3.0):
         started = time.monotonic()
         record(study, trial, outcome, retry_s=120)
         waited = time.monotonic() - started
@@ -395,7 +405,7 @@ def test_a_result_written_during_an_outage_is_kept(
     assert waited >= 2.5  # it really waited for the server
 
 
-def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(postgres_db: str) -> None:
+def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(own_server: OwnPostgres) -> None:
     """The database stops just after a worker took a trial, before its settings are stored
     (no heartbeat thread runs yet): the worker keeps the trial, writing its heartbeat on
     every try and trying no less often than the heartbeat thread would, so that a team's sweep
@@ -406,13 +416,14 @@ def test_a_taken_trial_waits_out_an_outage_with_its_heartbeat(postgres_db: str) 
     from loader_search.study.work._heartbeats import beating
     from loader_search.team import open_storage
 
+    postgres_db = own_server.url
     workers = WorkersSettings(heartbeat_interval_s=1, grace_period_s=4)
     storage = open_storage(postgres_db, workers=workers)
     study = optuna.create_study(study_name="taken", storage=storage, directions=list(DIRECTIONS))
     trial = study.ask()
     storage.record_heartbeat(trial_id(trial))
     pauses: list[float] = []
-    with _postgres_down(3.0):
+    with _postgres_down(own_server, 3.0):
         started = time.monotonic()
         beating(
             storage,
