@@ -120,6 +120,20 @@ def test_efficiency_is_one_at_the_reference_and_falls_above_the_noise_scale() ->
     assert "at least 0;" in critical_batch_text(unbounded)
 
 
+def test_with_ranks_the_efficiency_is_of_the_nodes_batch() -> None:
+    # Trials of 2 ranks: a setting's batch_size is per rank, a step's batch twice it.
+    trials = [_trial(BASE, 1000, 1.0, noise=(20, 1.0, 128.0), ranks=2) for _ in range(4)]
+    noise = pooled_noise_scale(trials)
+    assert noise is not None and noise.ranks == 2 and noise.value == pytest.approx(128)
+    # (128 + 2 x 64) / (128 + 2 x 256) = 0.4, where one rank's batches would give 0.5.
+    assert noise.efficiency(256, 64) == pytest.approx(0.4)
+    assert noise.as_dict()["ranks"] == 2
+    assert "B_noise = 128 samples a step (64 a rank on 2 ranks)" in critical_batch_text(noise)
+    single = pooled_noise_scale([_trial(BASE, 1000, 1.0, noise=(20, 1.0, 128.0))])
+    assert single is not None and single.ranks == 1
+    assert single.efficiency(256, 64) == pytest.approx(0.5)
+
+
 def _point(number: int, params: LoaderParams, throughput: float, loss: float) -> TrialPoint:
     return TrialPoint(number, params, throughput, loss, params == BASE)
 

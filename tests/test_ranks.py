@@ -198,7 +198,11 @@ def test_a_two_rank_study_runs_through_the_cli_and_recommends_per_rank(tmp_path:
     assert done.returncode == 0, done.stderr
     best = _cli("best", "ranks", "--storage", storage, "--json", cwd=tmp_path)
     assert best.returncode == 0, best.stderr
-    rec = json.loads(best.stdout)["recommended"]
+    report = json.loads(best.stdout)
+    rec = report["recommended"]
+    # The noise scale from the ranks' gradients: a rank's batch against the node's.
+    noise = report["gradient_noise_scale"]
+    assert noise is not None and noise["ranks"] == 2 and noise["steps"] > 0
     assert rec["ranks"] == 2 and rec["node"]["main_processes"] == 2
     workers = rec["params"]["num_workers"]
     assert rec["node"]["loader_processes"] == 2 * workers
@@ -208,6 +212,7 @@ def test_a_two_rank_study_runs_through_the_cli_and_recommends_per_rank(tmp_path:
     study = optuna.load_study(study_name="ranks", storage=storage)
     finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert finished and all(t.user_attrs["ranks"] == 2 for t in finished)
+    assert all(t.user_attrs["noise_big_batch"] == 128 for t in finished)
     assert all(len(t.user_attrs["per_rank"]["data_wait_fraction"]) == 2 for t in finished)
     assert study.user_attrs["fingerprint"]["training"]["ranks"] == 2
 

@@ -24,6 +24,16 @@ its backward pass one more forward and backward pass over its first half gives t
 gradient, the batch's gradient, the BatchNorm running statistics and the random state (a
 dropout's) restored before the optimizer steps, so the run is the one it would have been. The
 half batch is normalised by its own statistics, as a batch of that size is.
+
+A multi-rank trial has the two sizes in its all-reduce: each rank's gradient is its own batch's
+(``b``, the per-rank batch), the all-reduced one the node's (``B = N b``). DDP averages them
+inside the backward pass, where no norm can be read between the two, so on a measured step the
+stepping backward runs under ``no_sync()`` and the probe averages the gradients itself
+(`average_over_ranks`: one all-reduce of the gradients and of the ranks' squared norms
+together, the mean DDP would have made). Every rank's update is the one DDP would have made,
+up to floating point; the cost is the one all-reduce a measured step does not overlap with its
+backward pass. The small squared norm is the ranks' mean, an average of ``N`` estimates of the
+same expectation.
 """
 
 from __future__ import annotations
@@ -54,6 +64,9 @@ SPLIT_EVERY = 8
 # after the study's mark: late in training, where |G|^2 is small), left too few usable steps:
 # the quickstart's pooled |G|^2 came out below zero, no figure at all.
 SIDE_EVERY = 16
+# A multi-rank step measured every RANKS_EVERY full batches: its all-reduce runs after the
+# backward pass instead of overlapping it (see the module docstring); measured in RESULTS.md.
+RANKS_EVERY = 8
 # Contiguous blocks of steps the standard error is computed from (batch means): the steps of
 # one trial are correlated (the parameters drift), blocks of many steps much less so.
 MAX_BLOCKS = 10
@@ -168,6 +181,24 @@ def squared_grad_norm(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
     return norm.detach().float() ** 2
 
 
+def average_over_ranks(grads: Sequence[torch.Tensor], local_sq: torch.Tensor) -> torch.Tensor:
+    """Average ``grads`` in place over the ranks of the default process group, as DDP's
+    all-reduce would, and return the mean over the ranks of ``local_sq`` (each rank's squared
+    norm of its own gradient, read before): one all-reduce of both, flattened together."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    flat = torch.cat([g.reshape(-1) for g in grads] + [local_sq.reshape(1).to(grads[0].dtype)])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for grad in grads:
+        size = grad.numel()
+        grad.copy_(flat[offset : offset + size].view_as(grad))
+        offset += size
+    return flat[offset].detach().float()
+
+
 def batch_norms(model: nn.Module) -> list[nn.Module]:
     """``model``'s layers that normalise by batch statistics in training (BatchNorm and its
     kinds): splitting a batch changes their forward pass."""
@@ -181,11 +212,13 @@ def has_batch_statistics(model: nn.Module) -> bool:
 class NoiseProbe:
     """Collects squared gradient norms in the training loop, for `GradientNoiseScale`.
 
-    ``big_batch`` is the trial's effective batch; only full batches are measured (an epoch's
-    or the budget's last, shorter one is not), so both sizes are the same on every measured
-    step. ``micro_batch`` below ``big_batch`` (accumulation): the first micro-batch's gradient
-    is the small one. Equal to it: a measured batch is split in two halves (``split``), the
-    first half the small one. ``every``: measure every that many full batches (1: all).
+    ``big_batch`` is the trial's effective batch (a rank's, with ranks); only full batches are
+    measured (an epoch's or the budget's last, shorter one is not), so both sizes are the same
+    on every measured step. ``ranks`` above 1: the rank's batch is the small one and the
+    node's the big one (`across`, see the module). Else ``micro_batch`` below ``big_batch``
+    (accumulation): the first micro-batch's gradient is the small one. Equal to it: a measured
+    batch is split in two halves (``split``), the first half the small one. ``every``: measure
+    every that many full batches (1: all).
 
     The norms stay tensors on the device until `estimate`, so measuring adds no device
     synchronisation to a step; with fp16 gradient scaling the scale is read (a sync the
@@ -201,16 +234,23 @@ class NoiseProbe:
         every: int = 1,
         scaler: torch.amp.GradScaler | None = None,
         side: Sequence[nn.Module] | None = None,
+        ranks: int = 1,
     ) -> None:
+        self.across = ranks > 1
         # ``side``: the model's BatchNorm layers, measured by a side pass (see the module).
-        self.side = side is not None and micro_batch == big_batch
-        self._batch_norms = list(side or ())
-        self.split = micro_batch == big_batch and not self.side
-        small = big_batch // 2 if micro_batch == big_batch else micro_batch
+        self.side = side is not None and micro_batch == big_batch and not self.across
+        self._batch_norms = list(side or ()) if self.side else []
+        self.split = micro_batch == big_batch and not self.side and not self.across
+        self._full = big_batch
+        if self.across:
+            small, big = big_batch, big_batch * ranks
+        else:
+            small = big_batch // 2 if micro_batch == big_batch else micro_batch
+            big = big_batch
         if small < 1:
             raise ValueError(f"a batch of {big_batch} cannot be split for the noise scale")
         self._parameters = list(parameters)
-        self._estimator = GradientNoiseScale(small, big_batch)
+        self._estimator = GradientNoiseScale(small, big)
         self._every = every
         self._scaler = scaler
         self._full_batches = 0
@@ -226,11 +266,17 @@ class NoiseProbe:
         """An effective batch of ``batch_samples`` begins: measured when it is full and its
         turn has come."""
         self._measuring = False
-        if batch_samples == self._estimator.big_batch:
+        if batch_samples == self._full:
             self._full_batches += 1
             # The last of every ``every`` full batches: never the trial's first one, whose
             # loss is the untrained model's and whose forward a model may remember.
             self._measuring = self._full_batches % self._every == 0
+
+    @property
+    def reduces(self) -> bool:
+        """Whether this batch's gradients are the probe's to all-reduce (`across`): DDP must
+        not, so its stepping backward runs under ``no_sync()``."""
+        return self.across and self._measuring
 
     def split_at(self, n: int) -> int | None:
         """Where to cut a loader batch of ``n`` samples for the measurement (None: train it
@@ -242,15 +288,23 @@ class NoiseProbe:
     def small(self, samples: int, weight: float) -> None:
         """After the backward pass of the effective batch's first piece, of ``samples``
         samples, whose mean loss was scaled by ``weight`` (its share of the batch)."""
-        if self.side:
-            return  # the small gradient comes from the side pass
+        if self.side or self.across:
+            return  # the small gradient comes from the side pass, or from the rank's batch
         if not self._measuring or samples != self.small_batch:
             self._measuring = False  # a piece of another size: not this step
             return
         self._small.append(self._unscaled(squared_grad_norm(self._parameters)) / weight**2)
 
     def big(self) -> None:
-        """After the last backward pass of the effective batch, before the optimizer step."""
+        """After the last backward pass of the effective batch, before the optimizer step
+        (with ranks, on every rank: the probe's all-reduce is a collective)."""
+        if self.reduces:
+            self._measuring = False
+            grads = [p.grad for p in self._parameters if p.grad is not None]
+            local = squared_grad_norm(self._parameters)
+            self._small.append(self._unscaled(average_over_ranks(grads, local)))
+            self._big.append(self._unscaled(squared_grad_norm(self._parameters)))
+            return
         if self._measuring and (self.side or len(self._big) < len(self._small)):
             self._big.append(self._unscaled(squared_grad_norm(self._parameters)))
             if self.side:

@@ -74,9 +74,10 @@ class TrialResult:
     # loader_search.trial._noise): B_simple = tr(Sigma) / |G|^2 and its standard error, the
     # two batch sizes its squared gradient norms were read at, the steps it averaged over, and
     # its two parts (the means of the per-step estimates of |G|^2 and tr(Sigma): what pools
-    # across trials). None where not measured (ranks, a command's own loop, a BatchNorm or
-    # compiled model without accumulation); the scale alone None where the mean |G|^2 was
-    # not positive (noise swamped the signal).
+    # across trials; with ranks, the sizes are a rank's batch and the node's). None where not
+    # measured (a command's own loop; without accumulation or ranks, a compiled model or a
+    # batch of one); the scale alone None where the mean |G|^2 was not positive (noise swamped
+    # the signal).
     gradient_noise_scale: float | None = None
     gradient_noise_scale_se: float | None = None
     noise_small_batch: int | None = None

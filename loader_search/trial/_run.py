@@ -41,6 +41,7 @@ from loader_search.trial._evaluate import evaluate
 from loader_search.trial._loader import ThreadLoader, build_loader
 from loader_search.trial._measure import PeakRSS, StepMeter
 from loader_search.trial._noise import (
+    RANKS_EVERY,
     SIDE_EVERY,
     SPLIT_EVERY,
     NoiseEstimate,
@@ -201,23 +202,33 @@ class _Run:
 
     def noise_probe(self, step: Step) -> NoiseProbe | None:
         """What reads the gradient noise scale in this run's loop, or None where it is not
-        read: when not asked; with ranks (DDP averages the ranks' gradients on the stepping
-        micro-batch, so the big batch there is the node's, the small one a rank's: not
-        measured yet); and, without gradient accumulation, a batch of one sample and a
-        compiled model (a half batch is a new input shape, a second compilation the trial
-        would pay and report). A model with BatchNorm, whose halves would each be normalised
-        by their own statistics, is measured by a side pass (`NoiseProbe.side_pass`) rather
-        than by splitting its batch.
+        read: when not asked; and, without gradient accumulation or ranks, a batch of one
+        sample and a compiled model (a half batch is a new input shape, a second compilation
+        the trial would pay and report). A model with BatchNorm, whose halves would each be
+        normalised by their own statistics, is measured by a side pass
+        (`NoiseProbe.side_pass`) rather than by splitting its batch. With ranks, a rank's
+        batch is the small one and the node's the big one (`NoiseProbe.across`).
         """
         params = self.params
-        if not self.measure_noise or self.rank is not None:
+        if not self.measure_noise:
             return None
+        parameters = list(step.module.parameters())
+        world = self.rank.world if self.rank is not None else 1
+        if world > 1:
+            return NoiseProbe(
+                parameters,
+                params.batch_size,
+                params.micro_batch_size,
+                every=RANKS_EVERY,  # what it costs
+                scaler=step.scaler,
+                ranks=world,
+            )
         whole = params.accumulation_steps == 1
         if whole and (params.batch_size < 2 or step.compiled):
             return None
         norms = batch_norms(step.module) if whole else []
         return NoiseProbe(
-            list(step.module.parameters()),
+            parameters,
             params.batch_size,
             params.micro_batch_size,
             # what it costs

@@ -114,7 +114,11 @@ def train(
             batch_samples = min(params.batch_size, budget - seen, epoch_size - in_epoch)
             batch_left = batch_samples
             optimizer.zero_grad(set_to_none=True)
-        with step.no_sync(batch_left - n > 0):  # DDP: all-reduce on the stepping one only
+            if probe is not None:
+                probe.begin(batch_samples)
+        # DDP all-reduces on the stepping micro-batch only, and not at all on a batch whose
+        # noise the probe measures across the ranks (it all-reduces them itself).
+        with step.no_sync(batch_left - n > 0 or (probe is not None and probe.reduces)):
             loss = _backward(step, batch, n, batch_samples, batch_left, params, probe)
             if first is None:
                 first = loss  # the untrained model's loss: before its first step
@@ -170,8 +174,6 @@ def _backward(
     effective batch's first piece (the small batch's gradient: nothing else is in it yet) and
     after its last (the whole batch's, before the optimizer steps on it).
     """
-    if probe is not None and batch_left == batch_samples:
-        probe.begin(batch_samples)
     cut = probe.split_at(n) if probe is not None else None
     pieces = [(batch, n)]
     if cut is not None:

@@ -18,6 +18,9 @@ comes from resampling the trials (a bootstrap over trials, seeded: every worker 
 of a study states the same), or, with fewer than `MIN_BOOTSTRAP` trials, from their own
 standard errors. The confirmation trials are left out: they train a part of the budget, and
 the figure must not move while the paired rounds run on it.
+
+With ranks, ``B`` is the node's batch: the settings' ``batch_size`` is per rank, and a step
+averages the gradients of ``ranks`` times as many samples (`NoiseScale.ranks`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
@@ -48,21 +51,25 @@ _GRAD_SQ, _TRACE, _STEPS, _SE = (
 @dataclass(frozen=True)
 class NoiseScale:
     """A study's gradient noise scale: the pooled estimate and its 95% interval (``low`` 0
-    where it reaches down to no noise at all), from ``trials`` trials of ``steps`` steps."""
+    where it reaches down to no noise at all), from ``trials`` trials of ``steps`` steps, whose
+    steps each trained ``ranks`` batches of a setting's ``batch_size`` (one per rank)."""
 
     value: float
     low: float
     high: float
     trials: int
     steps: int
+    ranks: int = 1
 
     def efficiency(self, batch_size: int, reference: int, scale: float | None = None) -> float:
-        """The progress per sample of ``batch_size`` against ``reference`` (1 at the
-        reference; below 1 above it), at this noise scale or at ``scale``."""
+        """The progress per sample of a per-rank ``batch_size`` against ``reference`` (1 at
+        the reference; below 1 above it), at this noise scale or at ``scale``: of the node's
+        batches, ``ranks`` times each."""
         noise = max(0.0, self.value if scale is None else scale)
-        if math.isinf(noise) or noise + batch_size <= 0:
+        big, base = batch_size * self.ranks, reference * self.ranks
+        if math.isinf(noise) or noise + big <= 0:
             return 1.0  # no bound on the noise: nothing says a larger batch costs samples
-        return (noise + reference) / (noise + batch_size)
+        return (noise + base) / (noise + big)
 
     def efficiency_range(self, batch_size: int, reference: int) -> tuple[float, float]:
         """The efficiency at both ends of the interval, the lower first."""
@@ -78,6 +85,7 @@ class NoiseScale:
             "ci95": [self.low, self.high],
             "trials": self.trials,
             "steps": self.steps,
+            "ranks": self.ranks,
         }
 
 
@@ -113,7 +121,10 @@ def pooled_noise_scale(
     """The study's noise scale from its search trials (see the module docstring), None where
     no trial measured it or the pooled ``|G|^2`` is not positive (the noise swamped it).
     ``interval`` False: the estimate alone (its interval unbounded), without resampling."""
-    return pool_noise(_rows(trials), interval=interval)
+    noise = pool_noise(_rows(trials), interval=interval)
+    ranks = [number(t.user_attrs, "ranks") for t in trials]
+    world = int(max((r for r in ranks if r is not None), default=1))
+    return noise if noise is None or world <= 1 else replace(noise, ranks=world)
 
 
 def pool_noise(
@@ -170,9 +181,14 @@ def critical_batch_text(noise: NoiseScale) -> str:
         if math.isfinite(noise.high)
         else f"at least {noise.low:,.0f}"
     )
+    node = (
+        f" samples a step ({noise.value / noise.ranks:,.0f} a rank on {noise.ranks} ranks)"
+        if noise.ranks > 1
+        else ""
+    )
     return (
         f"gradient noise scale B_noise ~ {noise.value:,.0f} ({interval}; {noise.trials}"
-        f" trial(s), {noise.steps:,} steps): above about B_noise = {noise.value:,.0f}, a larger"
-        " batch needs proportionally more samples to reach the same loss: the speed it adds is"
-        " spent on convergence"
+        f" trial(s), {noise.steps:,} steps): above about B_noise = {noise.value:,.0f}{node}, a"
+        " larger batch needs proportionally more samples to reach the same loss: the speed it"
+        " adds is spent on convergence"
     )
