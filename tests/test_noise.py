@@ -18,9 +18,16 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import loader_search.trial._noise as noise_module
 from loader_search.params import LoaderParams, TrainingSettings
 from loader_search.trial import TrialResult, run_trial
-from loader_search.trial._noise import RANKS_EVERY, SIDE_EVERY, SPLIT_EVERY, GradientNoiseScale
+from loader_search.trial._noise import (
+    BUCKET_BYTES,
+    RANKS_EVERY,
+    SIDE_EVERY,
+    SPLIT_EVERY,
+    GradientNoiseScale,
+)
 from loader_search.workloads import Workload, load_workload
 from tests.plugins.least_squares import least_squares
 
@@ -120,9 +127,18 @@ def test_a_two_rank_trial_recovers_the_exact_noise_scale_from_its_ranks() -> Non
     assert abs(scale - target) < 3 * error
 
 
-def test_measuring_across_ranks_leaves_a_two_rank_run_unchanged() -> None:
+@pytest.mark.parametrize("bucket", [BUCKET_BYTES, 150], ids=["one-bucket", "three-buckets"])
+def test_measuring_across_ranks_leaves_a_two_rank_run_unchanged(
+    bucket: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # On a measured step the probe, not DDP, averages the gradients: the update is the same,
-    # so the run is (momentum SGD over 12 epochs would let any difference grow).
+    # so the run is (momentum SGD over 12 epochs would let any difference grow). With buckets
+    # of 150 bytes, the classifier's 512-, 64-, 128- and 8-byte gradients go as three: the
+    # first two alone (reduced in place), the last two flattened together.
+    monkeypatch.setattr(noise_module, "BUCKET_BYTES", bucket)  # rank 1 forks from here
+    shapes = [[16, 8], [16], [2, 16], [2]]
+    buckets = noise_module._buckets([torch.zeros(shape) for shape in shapes])
+    assert [len(b) for b in buckets] == ([4] if bucket == BUCKET_BYTES else [1, 1, 2])
     workload = _linear_classifier()
     on = _two_ranks(workload, 6000)
     off = _two_ranks(workload, 6000, measure=False)

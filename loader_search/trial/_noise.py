@@ -29,11 +29,10 @@ A multi-rank trial has the two sizes in its all-reduce: each rank's gradient is 
 (``b``, the per-rank batch), the all-reduced one the node's (``B = N b``). DDP averages them
 inside the backward pass, where no norm can be read between the two, so on a measured step the
 stepping backward runs under ``no_sync()`` and the probe averages the gradients itself
-(`average_over_ranks`: one all-reduce of the gradients and of the ranks' squared norms
-together, the mean DDP would have made). Every rank's update is the one DDP would have made,
-up to floating point; the cost is the one all-reduce a measured step does not overlap with its
-backward pass. The small squared norm is the ranks' mean, an average of ``N`` estimates of the
-same expectation.
+(`average_over_ranks`: the mean DDP would have made, and the mean of the ranks' squared
+norms). Every rank's update is the one DDP would have made, up to floating point; the cost is
+the all-reduce a measured step does not overlap with its backward pass. The small squared
+norm is the ranks' mean, an average of ``N`` estimates of the same expectation.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ SIDE_EVERY = 16
 # A multi-rank step measured every RANKS_EVERY full batches: its all-reduce runs after the
 # backward pass instead of overlapping it (see the module docstring); measured in RESULTS.md.
 RANKS_EVERY = 8
+BUCKET_BYTES = 25 * 2**20  # what the probe all-reduces at once: DDP's default bucket
 # Contiguous blocks of steps the standard error is computed from (batch means): the steps of
 # one trial are correlated (the parameters drift), blocks of many steps much less so.
 MAX_BLOCKS = 10
@@ -184,19 +184,46 @@ def squared_grad_norm(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
 def average_over_ranks(grads: Sequence[torch.Tensor], local_sq: torch.Tensor) -> torch.Tensor:
     """Average ``grads`` in place over the ranks of the default process group, as DDP's
     all-reduce would, and return the mean over the ranks of ``local_sq`` (each rank's squared
-    norm of its own gradient, read before): one all-reduce of both, flattened together."""
+    norm of its own gradient, read before). The gradients go in buckets of at most
+    `BUCKET_BYTES` (DDP's default size), so a large model needs no second copy of its whole
+    gradient; a gradient larger than a bucket is reduced where it is."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    flat = torch.cat([g.reshape(-1) for g in grads] + [local_sq.reshape(1).to(grads[0].dtype)])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
+    mean_sq = local_sq.detach().float().reshape(1).clone()
+    dist.all_reduce(mean_sq)
+    for bucket in _buckets(grads):
+        if len(bucket) == 1:
+            dist.all_reduce(bucket[0])
+            bucket[0].div_(world)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return mean_sq[0] / world
+
+
+def _buckets(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` in order, cut into runs of one dtype and device of at most `BUCKET_BYTES`."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
     for grad in grads:
-        size = grad.numel()
-        grad.copy_(flat[offset : offset + size].view_as(grad))
-        offset += size
-    return flat[offset].detach().float()
+        nbytes = grad.numel() * grad.element_size()
+        last = buckets[-1][-1] if buckets else None
+        if (
+            last is None
+            or size + nbytes > BUCKET_BYTES
+            or (last.dtype, last.device) != (grad.dtype, grad.device)
+        ):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    return buckets
 
 
 def batch_norms(model: nn.Module) -> list[nn.Module]:
