@@ -116,8 +116,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             if probe is not None:
                 probe.begin(batch_samples)
-        # DDP all-reduces on the stepping micro-batch only, and not at all on a batch whose
-        # noise the probe measures across the ranks (it all-reduces them itself).
+        # DDP all-reduces on the stepping micro-batch only; never where the probe does (ranks)
         with step.no_sync(batch_left - n > 0 or (probe is not None and probe.reduces)):
             loss = _backward(step, batch, n, batch_samples, batch_left, params, probe)
             if first is None:
