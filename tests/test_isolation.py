@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -42,8 +43,14 @@ from loader_search.trial._failures import (
     classify_exit,
 )
 from loader_search.trial._fresh import FreshHost
-from loader_search.trial._processes import dead_worker_failure, exited
-from loader_search.trial._supervisor import NO_LIMITS, _run_in_process, can_isolate, run_isolated
+from loader_search.trial._processes import FreshProcess, dead_worker_failure, exited
+from loader_search.trial._supervisor import (
+    NO_LIMITS,
+    _run_in_process,
+    _Supervisor,
+    can_isolate,
+    run_isolated,
+)
 from loader_search.workloads import Workload
 from tests import _faults
 from tests.conftest import ROOT
@@ -569,6 +576,35 @@ def test_a_crash_of_the_training_process_is_seen_at_once_beside_its_workers(
     assert outcome.exitcode == -signal.SIGSEGV
     seen = outcome.wall_s - outcome.startup_s  # after the fresh process's imports and build
     assert seen < 4, f"the crash was seen {seen:.1f} s after the trial started"
+
+
+def test_a_process_that_closes_its_pipe_and_then_crashes_is_classified_by_its_crash() -> None:
+    # A fresh process closes its pipe just before it ends as its trial's child did. The watch
+    # used to kill it on the pipe's end, and a segfault was once recorded as host_oom under
+    # load (a SIGKILL not sent by loader-search). Here it takes half a second to end.
+    ours, theirs = multiprocessing.Pipe(duplex=False)
+    code = (
+        "import os, resource, signal, sys, time\n"
+        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+        "os.close(int(sys.argv[1]))\n"
+        "time.sleep(0.5)\n"
+        "os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    popen = subprocess.Popen(
+        [sys.executable, "-c", code, str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),),
+        start_new_session=True,
+    )
+    theirs.close()
+    process = FreshProcess(popen)
+    try:
+        watch = _Supervisor(TrialLimits(trial_timeout_s=30))
+        outcome = watch._watch(process, ours, time.perf_counter())
+    finally:
+        ours.close()
+        process.close()
+    assert outcome.failure is not None and outcome.failure.reason == CRASHED, outcome.failure
+    assert "SIGSEGV" in outcome.failure.message and outcome.exitcode == -signal.SIGSEGV
 
 
 def test_a_dead_loader_worker_is_found_under_a_fresh_processs_trial() -> None:

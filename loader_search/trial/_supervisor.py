@@ -84,6 +84,7 @@ if TYPE_CHECKING:
 
 MEMORY_POLL_S = 0.5  # reading PSS costs ~4 ms per process: not more often than this
 _EXIT_GRACE_S = 10.0  # a child that sent its result gets this long to exit by itself
+_CLOSED_GRACE_S = 2.0  # and one that closed its pipe, this long
 
 
 def can_isolate() -> bool:
@@ -302,6 +303,10 @@ class _Supervisor:
                 except EOFError:  # the child closed the pipe: it is exiting or dead
                     received = None
                 if received is None:
+                    # Its end is read from its exit: a fresh process closes the pipe just
+                    # before it ends as its trial's child did, and a kill now would be read
+                    # as an out-of-memory kill (once under load, a segfault recorded so).
+                    wait_for_exit(process, _CLOSED_GRACE_S, POLL_S)
                     break
                 if isinstance(received, Ready):
                     startup_s = now - started
