@@ -91,6 +91,12 @@ def test_a_signal_from_the_first_moment_on_is_one_line_and_its_exit_code(
         time.sleep(delay)
         process.send_signal(number)
         _, stderr = process.communicate(timeout=120)
+        if delay == 0.05 and process.returncode == -number:
+            # On a busy machine the interpreter may not have run a line of the program yet
+            # (seen once with the suite run in parallel): no handler can exist then, and
+            # the process must have printed and stored nothing.
+            assert stderr == "" and not (tmp_path / f"study-{delay}.db").exists()
+            continue
         assert process.returncode == code, (delay, process.returncode, stderr[-2000:])
         assert "Traceback" not in stderr, (delay, stderr[-2000:])
         lines = stderr.strip().splitlines()
