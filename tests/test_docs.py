@@ -29,7 +29,7 @@ QUICKSTART_COMMAND = (
 )
 TEST_COMMAND = (
     "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' &&"
-    " .venv/bin/python -m pytest"
+    " .venv/bin/python -m pytest -n 2"
 )
 
 MARKDOWN = [README, *sorted(DOCS.glob("*.md"))]
