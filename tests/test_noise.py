@@ -25,8 +25,10 @@ from loader_search.trial._noise import (
     BUCKET_BYTES,
     RANKS_EVERY,
     SIDE_EVERY,
+    SIDE_SHARE,
     SPLIT_EVERY,
     GradientNoiseScale,
+    side_batch,
 )
 from loader_search.workloads import Workload, load_workload
 from tests.plugins.least_squares import least_squares
@@ -199,7 +201,7 @@ def _images_noise(seed: int, accumulation_steps: int) -> TrialResult:
 def test_a_batchnorm_model_is_measured_by_a_side_pass_that_leaves_training_unchanged() -> None:
     # The quickstart's CNN has BatchNorm (and here dropout: the random state is restored
     # too). Split in two, each half would be normalised by its own statistics: a different
-    # run. A side pass over half of every SIDE_EVERY-th batch, with the batch's gradient,
+    # run. A side pass over a quarter of every SIDE_EVERY-th batch, with the batch's gradient,
     # the running statistics and the random state put back, leaves the run as it was.
     workload = load_workload("synthetic-images", {"train_size": 1024, "val_size": 256})
     make_model = workload.make_model
@@ -210,15 +212,21 @@ def test_a_batchnorm_model_is_measured_by_a_side_pass_that_leaves_training_uncha
     on, off = _on_and_off(replace(workload, make_model=with_dropout), 2048)
     assert off.noise_steps is None
     # 2048 samples = 32 full batches of 64; the last of every SIDE_EVERY is measured.
-    assert on.noise_steps == 32 // SIDE_EVERY and on.noise_small_batch == BATCH // 2
+    assert on.noise_steps == 32 // SIDE_EVERY and on.noise_small_batch == side_batch(BATCH)
     assert on.noise_trace is not None and on.noise_grad_sq is not None
+
+
+def test_a_side_pass_trains_a_quarter_of_the_batch_and_a_small_batch_s_half() -> None:
+    # A quarter cost a step 1.34-1.42x where a half cost 1.56-1.60x (`python -m
+    # tests.test_noise side`); below 8 samples a quarter would leave BatchNorm under two.
+    assert [side_batch(b) for b in (256, 64, 8, 7, 4)] == [64, 16, 2, 3, 2]
 
 
 def test_synthetic_images_noise_scale_is_stable_across_seeds() -> None:
     # Trained as 2 x 32 micro-batches the quickstart's CNN is measured on every batch, from
     # the micro-batches it trains anyway; whole, by a side pass on every SIDE_EVERY-th.
     whole = _images_noise(0, 1)
-    assert whole.noise_steps == 128 // SIDE_EVERY and whole.noise_small_batch == BATCH // 2
+    assert whole.noise_steps == 128 // SIDE_EVERY and whole.noise_small_batch == side_batch(BATCH)
     scales = []
     for seed in (0, 1):
         result = _images_noise(seed, 2)
@@ -269,6 +277,8 @@ def _step_costs(repeats: int, steps: int) -> None:
             probe = NoiseProbe(parameters, BATCH, BATCH if way == "split" else half)
         if way == "side":  # this BatchNorm model's way: a side pass, here on every batch
             probe = NoiseProbe(parameters, BATCH, BATCH, side=batch_norms(model))
+        if probe is not None:
+            probe.begin(BATCH)  # as `train` does where an effective batch begins
         if way in ("off", "split", "side"):
             _backward(step, batch, BATCH, BATCH, BATCH, whole, probe)
         else:
@@ -277,7 +287,7 @@ def _step_costs(repeats: int, steps: int) -> None:
             _backward(step, tail, half, BATCH, half, halves, probe)
         optimizer.step()
         if probe is not None:
-            probe.estimate()
+            assert probe.estimate() is not None, way  # the step was measured
 
     ways = ["off", "split", "side", "2x32 off", "2x32 on"]
     for index in range(4 * len(ways)):  # warm-up
@@ -301,11 +311,67 @@ def _step_costs(repeats: int, steps: int) -> None:
         )
 
 
+def measure_side_shares(repeats: int, steps: int) -> None:
+    """What a side pass costs a step over a quarter of the batch (`SIDE_SHARE`) and over half
+    of it: the quickstart's step on pre-decoded batches of 64 (one torch thread), three ways
+    in turn (off, a side pass over half, over a quarter), each after each other. Prints per
+    repeat each way's median step time and the two ratios to off."""
+    from torch.utils.data import DataLoader
+
+    from loader_search.trial._noise import NoiseProbe, batch_norms
+    from loader_search.trial._step import Step
+    from loader_search.trial._train import _backward
+
+    torch.set_num_threads(1)
+    workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
+    loader = DataLoader(workload.train_dataset, batch_size=BATCH)
+    batches = [batch for _, batch in zip(range(16), loader, strict=False)]
+    torch.manual_seed(0)
+    model = workload.make_model()
+    step = Step(workload, TrainingSettings(), model, torch.device("cpu"))
+    optimizer = workload.make_optimizer(model.parameters(), workload.base_lr)
+    parameters, whole, share = list(model.parameters()), LoaderParams(BATCH), SIDE_SHARE
+    ways = {"off": 0, "half": 2, "quarter": 4}
+
+    def one(way: str, batch: object) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        probe = None
+        if ways[way]:
+            noise_module.SIDE_SHARE = ways[way]
+            probe = NoiseProbe(parameters, BATCH, BATCH, side=batch_norms(model))
+            noise_module.SIDE_SHARE = share
+            probe.begin(BATCH)
+        _backward(step, batch, BATCH, BATCH, BATCH, whole, probe)
+        optimizer.step()
+        if probe is not None:
+            assert probe.estimate() is not None, way
+
+    names = list(ways)
+    for index in range(10 * len(names)):  # warm-up
+        one(names[index % len(names)], batches[index % len(batches)])
+    for repeat in range(repeats):
+        times: dict[str, list[float]] = {way: [] for way in names}
+        for index in range(steps * len(names)):
+            way = names[(index + index // len(names)) % len(names)]
+            began = time.perf_counter()
+            one(way, batches[index % len(batches)])
+            times[way].append(time.perf_counter() - began)
+        medians = {way: statistics.median(values) for way, values in times.items()}
+        print(
+            f"repeat {repeat}: "
+            + ", ".join(f"{way} {1000 * value:.2f} ms" for way, value in medians.items())
+            + f"; half/off {medians['half'] / medians['off']:.3f}, quarter/off"
+            f" {medians['quarter'] / medians['off']:.3f} (every {SIDE_EVERY}th batch:"
+            f" {1 + (medians['quarter'] / medians['off'] - 1) / SIDE_EVERY:.3f})",
+            flush=True,
+        )
+
+
 def measure_cost(rounds: int) -> None:
     """Throughput of quickstart trials (synthetic-images, 4096 training images, batch 64,
     default training settings) with the probe on and off, interleaved in one process, for
     num_workers 0 and 1: off (whole batches); "side", this BatchNorm model's way (a side pass
-    over half of every 16th batch); the batch split in two with the norms read (what the
+    over a quarter of every 16th batch); the batch split in two with the norms read (what the
     probe costs where it splits: forced here on this BatchNorm model, which the probe does
     not split); and 2 x 32 accumulation without and with the probe (the cost of the norms
     alone). Prints each reading, then per pair the medians, ranges and the median of the
@@ -380,6 +446,8 @@ def measure_ranks_cost(rounds: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["ranks"]:  # python -m tests.test_noise ranks [rounds]
         measure_ranks_cost(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    elif sys.argv[1:2] == ["side"]:  # python -m tests.test_noise side
+        measure_side_shares(repeats=5, steps=100)
     else:
         _step_costs(repeats=5, steps=100)
         measure_cost(int(sys.argv[1]) if len(sys.argv) > 1 else 5)

@@ -20,10 +20,10 @@ the same update, up to floating point, for a model that treats its samples indep
 A model with BatchNorm normalises each half by that half's statistics instead (a "ghost
 batch" of ``B/2``) and updates its running statistics twice: a change to training. Such a
 model is measured by a **side pass** instead: its measured batch is trained whole, and after
-its backward pass one more forward and backward pass over its first half gives the small
+its backward pass one more forward and backward pass over its first quarter gives the small
 gradient, the batch's gradient, the BatchNorm running statistics and the random state (a
 dropout's) restored before the optimizer steps, so the run is the one it would have been. The
-half batch is normalised by its own statistics, as a batch of that size is.
+quarter batch is normalised by its own statistics, as a batch of that size is.
 
 A multi-rank trial has the two sizes in its all-reduce: each rank's gradient is its own batch's
 (``b``, the per-rank batch), the all-reduced one the node's (``B = N b``). DDP averages them
@@ -55,16 +55,21 @@ from torch import nn
 # (0.93-1.00): every batch. A 128-batch trial then measures 16 split batches: a rough figure
 # on its own (about 30-60% standard error), one a study pools over its trials.
 SPLIT_EVERY = 8
-# A side pass (BatchNorm) costs half a batch's forward and backward, and copies of the
+# A side pass (BatchNorm) costs a quarter batch's forward and backward, and copies of the
 # gradients and the running statistics: a quickstart step (batch 64, one thread) with one took
-# 1.55-1.64x a plain step (5 repeats of 100 steps each way, interleaved; `python -m
-# tests.test_noise`), so every 16th full batch costs the steps 3.5-4.0% of their time, above
-# the 3% aimed at. Rarer passes, or passes only outside the throughput reading (the warm-up and
-# after the study's mark: late in training, where |G|^2 is small), left too few usable steps:
-# the quickstart's pooled |G|^2 came out below zero, no figure at all.
+# 1.34-1.42x a plain step, so every 16th full batch costs the steps 2.1-2.6% of their time;
+# over half the batch, as it was, 1.56-1.60x and 3.5-3.8%, above the 3% aimed at (5 repeats
+# of 100 steps each way, interleaved in one process; `python -m tests.test_noise side`). The
+# wider gap between the two sizes also suits the estimator: the two squared norms differ by
+# 3 tr(S)/B instead of tr(S)/B. Rarer passes, or passes only outside the throughput reading
+# (the warm-up and after the study's mark: late in training, where |G|^2 is small), left too
+# few usable steps: the quickstart's pooled |G|^2 came out below zero, no figure at all.
 SIDE_EVERY = 16
+SIDE_SHARE = 4  # a side pass trains a quarter of the batch (`side_batch`)
 # A multi-rank step measured every RANKS_EVERY full batches: its all-reduce runs after the
-# backward pass instead of overlapping it (see the module docstring); measured in RESULTS.md.
+# backward pass instead of overlapping it (see the module docstring). 2-rank quickstart trials
+# (gloo, a 2-core CPU; 8 pairs on and off, order alternated) read a paired on/off median of
+# 1.016 (0.981-1.117): no cost the trials' spread can show (`python -m tests.test_noise ranks`).
 RANKS_EVERY = 8
 BUCKET_BYTES = 25 * 2**20  # what the probe all-reduces at once: DDP's default bucket
 # Contiguous blocks of steps the standard error is computed from (batch means): the steps of
@@ -236,6 +241,12 @@ def has_batch_statistics(model: nn.Module) -> bool:
     return bool(batch_norms(model))
 
 
+def side_batch(big_batch: int) -> int:
+    """The samples of a side pass over a batch of ``big_batch``: a quarter of it (`SIDE_SHARE`),
+    at least 2 (a BatchNorm layer needs two samples to normalise); half of a batch of under 8."""
+    return big_batch // SIDE_SHARE if big_batch >= 2 * SIDE_SHARE else big_batch // 2
+
+
 class NoiseProbe:
     """Collects squared gradient norms in the training loop, for `GradientNoiseScale`.
 
@@ -271,6 +282,8 @@ class NoiseProbe:
         self._full = big_batch
         if self.across:
             small, big = big_batch, big_batch * ranks
+        elif self.side:
+            small, big = side_batch(big_batch), big_batch
         else:
             small = big_batch // 2 if micro_batch == big_batch else micro_batch
             big = big_batch
@@ -345,7 +358,7 @@ class NoiseProbe:
 
     def side_pass(self, loss_of_head: Any, backward: Any) -> None:
         """The small gradient of a side pass: ``backward(loss_of_head())`` over the batch's
-        first half, everything it changed put back (see the module docstring)."""
+        first `side_batch` samples, everything it changed put back (see the module docstring)."""
         self._measuring = False
         grads = [p.grad for p in self._parameters]
         buffers = [
