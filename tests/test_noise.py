@@ -3,7 +3,9 @@ real training runs, checked against a noise scale computed exactly.
 
 Run as a module (``python -m tests.test_noise [rounds]``) it measures what the probe costs on
 the quickstart workload instead (see `measure_cost`); ``python -m tests.test_noise ranks
-[rounds]``, what it costs a 2-rank trial (`measure_ranks_cost`)."""
+[rounds]``, what it costs a 2-rank trial (`measure_ranks_cost`); ``python -m tests.test_noise
+side``, what a side pass costs a step over a quarter and over half of the batch
+(`measure_side_shares`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -242,41 +246,62 @@ def test_synthetic_images_noise_scale_is_stable_across_seeds() -> None:
     assert max(scales) / min(scales) < 2
 
 
+class _QuickstartSteps:
+    """The quickstart's step on pre-decoded batches of 64 (one torch thread), for timing the
+    probe's ways of measuring step by step, the loader left out."""
+
+    def __init__(self) -> None:
+        from torch.utils.data import DataLoader
+
+        from loader_search.trial._step import Step
+
+        torch.set_num_threads(1)
+        workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
+        loader = DataLoader(workload.train_dataset, batch_size=BATCH)
+        self.batches = [batch for _, batch in zip(range(16), loader, strict=False)]
+        torch.manual_seed(0)
+        self.model = workload.make_model()
+        self.step = Step(workload, TrainingSettings(), self.model, torch.device("cpu"))
+        self.optimizer = workload.make_optimizer(self.model.parameters(), workload.base_lr)
+        self.parameters = list(self.model.parameters())
+
+    def medians(
+        self, ways: list[str], one: Any, repeats: int, steps: int, warmup: int
+    ) -> Iterator[dict[str, float]]:
+        """Per repeat, each way's median step time: ``one(way, batch)`` run ``steps`` times a
+        way, the ways in turn, each after each other (a busy machine slows them all alike)."""
+        for index in range(warmup * len(ways)):
+            one(ways[index % len(ways)], self.batches[index % len(self.batches)])
+        for _ in range(repeats):
+            times: dict[str, list[float]] = {way: [] for way in ways}
+            for index in range(steps * len(ways)):
+                way = ways[(index + index // len(ways)) % len(ways)]
+                began = time.perf_counter()
+                one(way, self.batches[index % len(self.batches)])
+                times[way].append(time.perf_counter() - began)
+            yield {way: statistics.median(values) for way, values in times.items()}
+
+
 def _step_costs(repeats: int, steps: int) -> None:
-    """The probe's cost per training step, the loader left out: the quickstart's step on
-    pre-decoded batches of 64 (one torch thread), four ways in turn, step by step (a busy
-    machine slows all four alike): off (the batch whole), split (two halves, norms read:
-    what a measured step costs where the probe splits), and as 2 x 32 micro-batches without
+    """The probe's cost per training step (`_QuickstartSteps`), five ways: off (the batch
+    whole), split (two halves, norms read: what a measured step costs where the probe
+    splits), side (this BatchNorm model's side pass), and as 2 x 32 micro-batches without
     and with the norms read (what it costs where it uses accumulation's micro-batches).
     Prints per repeat each way's median step time."""
-    from torch.utils.data import DataLoader
-
     from loader_search.trial._noise import NoiseProbe, batch_norms
-    from loader_search.trial._step import Step
     from loader_search.trial._train import _backward
 
-    torch.set_num_threads(1)
-    workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
-    loader = DataLoader(workload.train_dataset, batch_size=BATCH)
-    batches = [batch for _, batch in zip(range(16), loader, strict=False)]
-    torch.manual_seed(0)
-    model = workload.make_model()
-    step = Step(workload, TrainingSettings(), model, torch.device("cpu"))
-    optimizer = workload.make_optimizer(model.parameters(), workload.base_lr)
-    whole, halves = (
-        LoaderParams(batch_size=BATCH),
-        LoaderParams(batch_size=BATCH, accumulation_steps=2),
-    )
-    parameters = list(model.parameters())
-    half = BATCH // 2
+    bench = _QuickstartSteps()
+    step, parameters, half = bench.step, bench.parameters, BATCH // 2
+    whole, halves = LoaderParams(BATCH), LoaderParams(BATCH, accumulation_steps=2)
 
     def one(way: str, batch: object) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        bench.optimizer.zero_grad(set_to_none=True)
         probe = None
         if way in ("split", "2x32 on"):
             probe = NoiseProbe(parameters, BATCH, BATCH if way == "split" else half)
         if way == "side":  # this BatchNorm model's way: a side pass, here on every batch
-            probe = NoiseProbe(parameters, BATCH, BATCH, side=batch_norms(model))
+            probe = NoiseProbe(parameters, BATCH, BATCH, side=batch_norms(bench.model))
         if probe is not None:
             probe.begin(BATCH)  # as `train` does where an effective batch begins
         if way in ("off", "split", "side"):
@@ -285,21 +310,12 @@ def _step_costs(repeats: int, steps: int) -> None:
             head, tail = step.split(batch, half)
             _backward(step, head, half, BATCH, BATCH, halves, probe)
             _backward(step, tail, half, BATCH, half, halves, probe)
-        optimizer.step()
+        bench.optimizer.step()
         if probe is not None:
             assert probe.estimate() is not None, way  # the step was measured
 
     ways = ["off", "split", "side", "2x32 off", "2x32 on"]
-    for index in range(4 * len(ways)):  # warm-up
-        one(ways[index % len(ways)], batches[index % len(batches)])
-    for repeat in range(repeats):
-        times: dict[str, list[float]] = {way: [] for way in ways}
-        for index in range(steps * len(ways)):
-            way = ways[(index + index // len(ways)) % len(ways)]  # each way after each other
-            began = time.perf_counter()
-            one(way, batches[index % len(batches)])
-            times[way].append(time.perf_counter() - began)
-        medians = {way: statistics.median(values) for way, values in times.items()}
+    for repeat, medians in enumerate(bench.medians(ways, one, repeats, steps, warmup=4)):
         print(
             f"repeat {repeat}: "
             + ", ".join(f"{way} {1000 * value:.2f} ms" for way, value in medians.items())
@@ -312,51 +328,30 @@ def _step_costs(repeats: int, steps: int) -> None:
 
 
 def measure_side_shares(repeats: int, steps: int) -> None:
-    """What a side pass costs a step over a quarter of the batch (`SIDE_SHARE`) and over half
-    of it: the quickstart's step on pre-decoded batches of 64 (one torch thread), three ways
-    in turn (off, a side pass over half, over a quarter), each after each other. Prints per
-    repeat each way's median step time and the two ratios to off."""
-    from torch.utils.data import DataLoader
-
+    """What a side pass costs a step (`_QuickstartSteps`) over a quarter of the batch
+    (`SIDE_SHARE`) and over half of it: three ways (off, half, quarter). Prints per repeat
+    each way's median step time and the two ratios to off."""
     from loader_search.trial._noise import NoiseProbe, batch_norms
-    from loader_search.trial._step import Step
     from loader_search.trial._train import _backward
 
-    torch.set_num_threads(1)
-    workload = load_workload("synthetic-images", {"train_size": 4096, "val_size": 1024})
-    loader = DataLoader(workload.train_dataset, batch_size=BATCH)
-    batches = [batch for _, batch in zip(range(16), loader, strict=False)]
-    torch.manual_seed(0)
-    model = workload.make_model()
-    step = Step(workload, TrainingSettings(), model, torch.device("cpu"))
-    optimizer = workload.make_optimizer(model.parameters(), workload.base_lr)
-    parameters, whole, share = list(model.parameters()), LoaderParams(BATCH), SIDE_SHARE
-    ways = {"off": 0, "half": 2, "quarter": 4}
+    bench = _QuickstartSteps()
+    whole, share = LoaderParams(BATCH), SIDE_SHARE
+    shares = {"off": 0, "half": 2, "quarter": 4}
 
     def one(way: str, batch: object) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        bench.optimizer.zero_grad(set_to_none=True)
         probe = None
-        if ways[way]:
-            noise_module.SIDE_SHARE = ways[way]
-            probe = NoiseProbe(parameters, BATCH, BATCH, side=batch_norms(model))
+        if shares[way]:
+            noise_module.SIDE_SHARE = shares[way]
+            probe = NoiseProbe(bench.parameters, BATCH, BATCH, side=batch_norms(bench.model))
             noise_module.SIDE_SHARE = share
             probe.begin(BATCH)
-        _backward(step, batch, BATCH, BATCH, BATCH, whole, probe)
-        optimizer.step()
+        _backward(bench.step, batch, BATCH, BATCH, BATCH, whole, probe)
+        bench.optimizer.step()
         if probe is not None:
             assert probe.estimate() is not None, way
 
-    names = list(ways)
-    for index in range(10 * len(names)):  # warm-up
-        one(names[index % len(names)], batches[index % len(batches)])
-    for repeat in range(repeats):
-        times: dict[str, list[float]] = {way: [] for way in names}
-        for index in range(steps * len(names)):
-            way = names[(index + index // len(names)) % len(names)]
-            began = time.perf_counter()
-            one(way, batches[index % len(batches)])
-            times[way].append(time.perf_counter() - began)
-        medians = {way: statistics.median(values) for way, values in times.items()}
+    for repeat, medians in enumerate(bench.medians(list(shares), one, repeats, steps, 10)):
         print(
             f"repeat {repeat}: "
             + ", ".join(f"{way} {1000 * value:.2f} ms" for way, value in medians.items())
