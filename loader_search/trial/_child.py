@@ -24,8 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from loader_search._inherited import close_inherited_locks
-from loader_search.trial._failures import classify_exception
-from loader_search.trial._messages import Ended, Failed, Progress, Ready, Trained
+from loader_search.trial._messages import Progress, Ready, Trained, report_failure
 from loader_search.trial._processes import die_with_parent
 
 if TYPE_CHECKING:
@@ -45,12 +44,11 @@ def child_main(conn: Connection, parent_pid: int, job: TrialJob) -> None:
         os.setpgid(0, 0)  # a group of its own: terminal Ctrl-C reaches the parent only
     die_with_parent(parent_pid)
     close_inherited_locks()  # the parent's host lock, which no loader worker may keep
-    message: Ended
     try:
         device = pin_trial(job.cpus, job.gpu, str(job.device))
         message = train_and_report(conn, job, device)
     except BaseException as exc:  # everything is reported; the process ends right after
-        message = Failed(classify_exception(exc), time.perf_counter())
+        report_failure(conn, exc)
     conn.send(message)
     conn.close()
 
@@ -65,7 +63,7 @@ def pin_trial(cpus: Sequence[int] | None, gpu: int | None, device: str) -> str:
     return device
 
 
-def train_and_report(conn: Connection, job: TrialJob, device: str) -> Ended:
+def train_and_report(conn: Connection, job: TrialJob, device: str) -> Trained:
     """Announce the trial (`Ready`: its start-up ends here), train it, and say how it went."""
     from loader_search.trial._run import run_trial
 

@@ -38,7 +38,7 @@ from loader_search import interrupts
 from loader_search.trial._child import pin_trial, train_and_report, warm_up
 from loader_search.trial._failures import classify_exception
 from loader_search.trial._job import TrialJob
-from loader_search.trial._messages import Build, Built, Ended, Failed, Start
+from loader_search.trial._messages import Build, Built, Failed, Start, report_failure
 from loader_search.trial._processes import (
     POLL_S,
     ChildProcess,
@@ -262,18 +262,17 @@ def _fresh_trial(
     """A trial's child of a fresh process: announce, train, send the result or the classified
     failure, and exit: 0 after a result, 1 after a failure (the fresh process then ends)."""
     die_with_parent(host_pid)
-    message: Ended
     try:
         job = dataclasses.replace(start.job, workload=workload, device=device)
         message = train_and_report(conn, job, device)
         gc.collect()  # a loader held by a reference cycle lets its workers go now
     except BaseException as exc:  # everything is reported; the process ends right after
-        message = Failed(classify_exception(exc), time.perf_counter())
+        report_failure(conn, exc)
     conn.send(message)
     sys.stdout.flush()
     sys.stderr.flush()
     # As a forked child ends: no finaliser runs (loader workers are shut down already).
-    os._exit(1 if isinstance(message, Failed) else 0)
+    os._exit(0)
 
 
 def _end_as(status: int) -> NoReturn:

@@ -4,19 +4,26 @@ A fresh trial process (not forked: see `loader_search.trial._fresh`) receives `S
 for each trial, the one message sent the other way but `Build`, which asks it to build its
 workload ahead of its first trial (it answers `Built`). The trial's process sends `Ready`
 once pinned, `Progress` at most every `PROGRESS_INTERVAL_S` while it trains (what the trial
-timeout watches), and last `Trained` or `Failed`; a sibling rank
-(`loader_search.trial._ranks`) sends only the last. Plain frozen dataclasses defined at
-module level, so that they pickle through the pipe; the parent reads anything else as
-progress.
+timeout watches), and last `Trained` or `Failed` (a failure through `report_failure`, which
+ends the process); a sibling rank (`loader_search.trial._ranks`) sends only the last. Plain
+frozen dataclasses defined at module level, so that they pickle through the pipe; the parent
+reads anything else as progress.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+from loader_search.trial._failures import classify_exception
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from multiprocessing.connection import Connection
 
     from loader_search.trial._failures import TrialFailure
     from loader_search.trial._job import TrialJob, WorkloadRecipe
@@ -94,3 +101,19 @@ class Failed:
 
 
 Ended = Trained | Failed
+
+
+def report_failure(conn: Connection, exc: BaseException) -> NoReturn:
+    """Send ``exc``'s classified failure and end this trial process at once (exit code 1),
+    while ``exc`` still holds what the failed training held.
+
+    Letting it go first freed a DDP model whose gloo process group joins its worker thread
+    with the GIL held, while that thread needed the GIL to free the failed collective: a
+    deadlock, and a rank's segfault recorded as a "timeout" (seen under load). Nothing of a
+    failed trial needs its finalisers: its loader workers and sibling ranks die with it, and
+    the supervisor reaps what is left."""
+    with contextlib.suppress(Exception):  # a parent gone: nobody to tell
+        conn.send(Failed(classify_exception(exc), time.perf_counter()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

@@ -47,11 +47,10 @@ from loader_search.trial._failures import (
     HOST_OOM,
     RankFailed,
     TrialFailure,
-    classify_exception,
     classify_exit,
     failure_for,
 )
-from loader_search.trial._messages import Ended, Failed, Trained
+from loader_search.trial._messages import Failed, Trained, report_failure
 from loader_search.trial._processes import die_with_parent, oom_kills, release_openmp_threads
 
 if TYPE_CHECKING:
@@ -232,19 +231,17 @@ def _sibling_main(
 ) -> None:
     """A rank other than 0: train, send the result or the classified failure, exit."""
     die_with_parent(parent)
-    code = 0
     try:
         # A failed rank does not leave the group: leaving can wait on the ranks still in a
         # collective, and the failure would then reach rank 0 only as a trial that stopped
         # making progress (a "timeout"). Its exit right after the report breaks their wait.
         result = _in_group(rank, store, train_one, leave_on_failure=False)
-        message: Ended = Trained(result, time.perf_counter())
-    except BaseException as exc:  # everything is reported; the process ends right after
-        message, code = Failed(classify_exception(exc), time.perf_counter()), 1
+    except BaseException as exc:  # reported, and the process ends, before exc is let go
+        report_failure(conn, exc)
     with contextlib.suppress(Exception):
-        conn.send(message)
+        conn.send(Trained(result, time.perf_counter()))
         conn.close()
-    os._exit(code)  # as the trial's process does: no finaliser talks on inherited handles
+    os._exit(0)  # as the trial's process does: no finaliser talks on inherited handles
 
 
 def _sibling_failure(
