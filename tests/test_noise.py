@@ -220,7 +220,7 @@ def test_a_batchnorm_model_is_measured_by_a_side_pass_that_leaves_training_uncha
     assert on.noise_trace is not None and on.noise_grad_sq is not None
 
 
-def test_a_side_pass_trains_a_quarter_of_the_batch_and_a_small_batch_s_half() -> None:
+def test_a_side_pass_trains_a_quarter_of_the_batch_and_half_of_one_under_8() -> None:
     # A quarter cost a step 1.34-1.42x where a half cost 1.56-1.60x (`python -m
     # tests.test_noise side`); below 8 samples a quarter would leave BatchNorm under two.
     assert [side_batch(b) for b in (256, 64, 8, 7, 4)] == [64, 16, 2, 3, 2]
