@@ -36,9 +36,8 @@ import psutil
 
 from loader_search import interrupts
 from loader_search.trial._child import pin_trial, train_and_report, warm_up
-from loader_search.trial._failures import classify_exception
 from loader_search.trial._job import TrialJob
-from loader_search.trial._messages import Build, Built, Failed, Start, report_failure
+from loader_search.trial._messages import Build, Built, Start, report_failure
 from loader_search.trial._processes import (
     POLL_S,
     ChildProcess,
@@ -241,10 +240,8 @@ def fresh_main(fd: int, parent_pid: int) -> None:
                 continue
             release_openmp_threads()  # see the module's docstring: forking after torch ran
             pid = os.fork()
-        except BaseException as exc:
-            conn.send(Failed(classify_exception(exc), time.perf_counter()))
-            status = 1 << 8  # exit code 1
-            break
+        except BaseException as exc:  # its build or its fork failed: it ends, exit code 1
+            report_failure(conn, exc)
         if pid == 0:
             _fresh_trial(conn, host_pid, start, workload, device)  # never returns
         _, status = os.waitpid(pid, 0)
