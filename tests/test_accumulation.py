@@ -18,7 +18,7 @@ from loader_search._snippets import dataloader_snippet
 from loader_search.params import LoaderParams, RunPlan
 from loader_search.study import CpuRange, SamplerConfig, stored_params
 from loader_search.study.config import parse_config
-from loader_search.study.work._record import fit_in_memory
+from loader_search.study.work._plan import fit_in_memory
 from loader_search.trial import TrialJob, run_isolated, run_trial
 from loader_search.workloads import Workload
 from tests._datasets import activation_hungry

@@ -100,7 +100,7 @@ FAILURE_MESSAGE = "failure_message"
 FAILURE_HINT = "failure_hint"
 FAILURE_TRACEBACK = "failure_traceback"
 INFERRED_FROM = "inferred_from"  # the trial an inferred out-of-memory verdict comes from
-# Gradient accumulation (see loader_search.study.work._record.fit_in_memory):
+# Gradient accumulation (see loader_search.study.work._plan.fit_in_memory):
 MICRO_BATCH_ATTR = "micro_batch_size"  # the DataLoader's batch size
 ACCUMULATION_ATTR = "accumulation_steps"  # micro-batches per optimizer step
 ACCUMULATION_FROM = "accumulation_from"  # the trial whose out-of-memory made it accumulate

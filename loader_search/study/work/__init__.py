@@ -17,7 +17,7 @@ _EXPORTS = {
     "Session": "loader_search.study.work._session_state",
     "work": "loader_search.study.work._worker",
     "count_finished": "loader_search.study.work._worker",
-    "fresh_recipe": "loader_search.study.work._worker",
+    "fresh_recipe": "loader_search.study.work._plan",
     # the budget decision, and taking a trial
     "decide": "loader_search.study.work._budget",
     "Decision": "loader_search.study.work._budget",
@@ -101,14 +101,14 @@ if TYPE_CHECKING:
         hardware_mismatch,
         this_machine,
     )
-    from loader_search.study.work._plan import Reuse, plan_trial
+    from loader_search.study.work._plan import Reuse, fresh_recipe, plan_trial
     from loader_search.study.work._record import record
     from loader_search.study.work._script import SCRIPT_FACTS_ATTR, command_space
     from loader_search.study.work._session_state import Session
     from loader_search.study.work._take import queue_decision
     from loader_search.study.work._timings import TIMINGS_ENV
     from loader_search.study.work._trials import write_user_attrs
-    from loader_search.study.work._worker import count_finished, fresh_recipe, work
+    from loader_search.study.work._worker import count_finished, work
 
 
 __getattr__ = lazy(__name__, _EXPORTS)

@@ -1,4 +1,14 @@
-"""What a trial can take from the trials before it, so that it costs less.
+"""Planning a taken trial: what it runs, decided in one place and handed down as one `Job`.
+
+A trial's settings are sampled when it is taken (`loader_search.study.work._take`); `plan_job`
+then decides, from the study's finished trials, everything the trial runs with, and the
+worker runs the job as it is (`loader_search.study.work._worker`).
+
+**Memory.** On the same hardware, settings that need at least the memory of ones that already
+ran out (`known_failure`) are not trained: the trial fails as infeasible at once. With
+``gradient_accumulation = "auto"`` a batch that a known out-of-memory rules out trains instead
+as accumulated micro-batches (`fit_in_memory`), and one that runs out while it trains is run
+again at once as twice as many micro-batches of half (`smaller_job`): the same effective batch.
 
 **Validation loss.** Loader settings do not change what the model learns: every trial trains
 the same model from the same weights on the same samples in the same order (see
@@ -27,23 +37,34 @@ Only trials of the same hardware class are reused (a GPU's numerics differ from 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from loader_search.params import LoaderParams, RunPlan, TrainingSettings
 from loader_search.study._keys import (
     CEILING_ATTR,
     CEILING_LOAD_ATTR,
+    CONFIRMATION_ATTR,
+    FAILURE_REASON,
     HARDWARE_CLASS_ATTR,
+    INFERRED_FROM,
+    INFERRED_OOM,
+    MEASURED_OOM_REASONS,
+    OOM_ATTEMPTS_ATTR,
+    OOM_REASONS,
     VAL_LOSS_ATTR,
     number,
     stored_params,
 )
 from loader_search.study._points import is_feasible
-from loader_search.trial import short_run_samples
+from loader_search.study.work._session_state import Session
+from loader_search.trial import TrialFailure, TrialJob, WorkloadRecipe, short_run_samples
 
 # Trial user attributes (the measurements themselves are `TrialResult` fields).
 BUSY_LIMIT = 0.25  # of the machine's CPUs, used by other processes during a ceiling reading
@@ -124,3 +145,201 @@ def plan_trial(
         ceiling=ceiling,
         ceiling_from=tuple(t.number for t in with_ceiling),
     )
+
+
+# Micro-batches smaller than this are not tried: BatchNorm cannot train on one sample.
+MIN_MICRO_BATCH = 2
+
+
+def footprint(params: LoaderParams) -> tuple[int, int]:
+    """What memory grows with: the micro-batch (the DataLoader's batch size) and the number of
+    micro-batches in flight in the loader."""
+    return params.micro_batch_size, params.batches_in_flight
+
+
+def oom_attempt(params: LoaderParams, failure: TrialFailure) -> dict[str, object]:
+    """One entry of a trial's ``oom_attempts``: a micro-batch that ran out of memory before
+    the trial trained with more accumulation steps."""
+    micro, in_flight = footprint(params)
+    return {"micro_batch_size": micro, "in_flight": in_flight, "reason": failure.reason}
+
+
+def _known_ooms(
+    trials: Sequence[FrozenTrial], hardware_class: str | None
+) -> list[tuple[int, int, int]]:
+    """Every footprint that ran out of memory on this hardware, with the trial that shows it:
+    trials that failed so, and the attempts that trials trained past by accumulating."""
+    known = []
+    for trial in trials:
+        if trial.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
+            continue
+        source = int(trial.user_attrs.get(INFERRED_FROM, trial.number))
+        if trial.user_attrs.get(FAILURE_REASON) in OOM_REASONS:
+            other = stored_params(trial)
+            if other is not None:
+                known.append((*footprint(other), source))
+        attempts = trial.user_attrs.get(OOM_ATTEMPTS_ATTR)
+        for attempt in attempts if isinstance(attempts, list) else ():
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                known.append((int(attempt["micro_batch_size"]), int(attempt["in_flight"]), source))
+    return known
+
+
+def known_failure(
+    trials: Sequence[FrozenTrial], params: LoaderParams, hardware_class: str | None
+) -> tuple[TrialFailure, int] | None:
+    """An out-of-memory verdict inferred without training, with the number of the trial that
+    really ran out of memory; or None.
+
+    On the same hardware, settings that need at least as much memory as ones that already ran
+    out (same or larger micro-batch, and same or more ``num_workers * prefetch_factor``
+    micro-batches in flight) would run out again: training them would only cost time.
+    """
+    batch, in_flight = footprint(params)
+    for other_batch, other_in_flight, source in _known_ooms(trials, hardware_class):
+        if batch >= other_batch and in_flight >= other_in_flight:
+            failure = TrialFailure(
+                reason=INFERRED_OOM,
+                message=(
+                    f"not trained: needs at least the memory of trial #{source}"
+                    f" (batch {other_batch}, {other_in_flight} batches in flight), which ran"
+                    " out of memory on this hardware"
+                ),
+                hint="smaller batch sizes or fewer workers x prefetch fit",
+                traceback="",
+                infeasible=True,
+            )
+            return failure, source
+    return None
+
+
+def fewer_samples_per_step(params: LoaderParams) -> LoaderParams | None:
+    """``params`` with twice the accumulation steps (half the micro-batch), or None when the
+    micro-batch cannot be halved any more."""
+    steps = params.accumulation_steps * 2
+    if params.batch_size % steps or params.batch_size // steps < MIN_MICRO_BATCH:
+        return None
+    return dataclasses.replace(params, accumulation_steps=steps)
+
+
+def fit_in_memory(
+    trials: Sequence[FrozenTrial], params: LoaderParams, hardware_class: str | None
+) -> tuple[LoaderParams, int | None]:
+    """``params`` with the fewest accumulation steps whose footprint no known out-of-memory
+    failure rules out, with the trial whose failure made it accumulate (None when nothing
+    did); ``params`` unchanged when no micro-batch fits (`known_failure` then says why)."""
+    fitted, source = params, None
+    while (known := known_failure(trials, fitted, hardware_class)) is not None:
+        smaller = fewer_samples_per_step(fitted)
+        if smaller is None:
+            return params, None
+        fitted, source = smaller, known[1]
+    return fitted, source
+
+
+@dataclass(frozen=True)
+class Job:
+    """A taken trial and everything it runs with, planned in one place (`plan_job`) and
+    handed down whole: its settings as they train, what it takes from the trials before it
+    (``reuse``), and the job its process trains (``run``); or, instead of a run, the
+    out-of-memory already known for those settings (``inferred``: the failure, and the trial
+    that really ran out)."""
+
+    trial: optuna.Trial
+    params: LoaderParams
+    reuse: Reuse
+    run: TrialJob | None  # None: ``inferred`` says why nothing trains
+    inferred: tuple[TrialFailure, int] | None = None
+    # A confirmation trial's recipe: it trains in a fresh process that builds the workload
+    # (`fresh_recipe`); None: forked from this worker.
+    fresh: WorkloadRecipe | None = None
+    forced_by: int | None = None  # the trial whose out-of-memory made it accumulate
+    # The micro-batches of this trial that ran out of memory before (`OOM_ATTEMPTS_ATTR`).
+    attempts: tuple[dict[str, object], ...] = ()
+    ended: tuple[FrozenTrial, ...] = dataclasses.field(default=(), repr=False)  # planned on
+
+
+def plan_job(
+    session: Session, trial: optuna.Trial, params: LoaderParams, trials: Sequence[FrozenTrial]
+) -> Job:
+    """The `Job` of the taken ``trial`` with its sampled ``params``, planned on the study's
+    ``trials`` as read when it was taken: fitted in memory, its failure inferred when a
+    known out-of-memory rules it out, its reuse planned."""
+    ended = tuple(t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL))
+    hardware_class = session.hardware.hardware_class
+    forced_by = None
+    if accumulates(session):
+        params, forced_by = fit_in_memory(ended, params, hardware_class)
+    fresh = None
+    if trial.user_attrs.get(CONFIRMATION_ATTR):
+        fresh = fresh_recipe(session.recipe, session.config.confirm_process)
+    inferred = known_failure(ended, params, hardware_class)
+    job = Job(trial, params, _reuse(session, ended, params), None, inferred, fresh, forced_by)
+    return job if inferred is not None else _with_run(session, job, ended)
+
+
+def smaller_job(session: Session, job: Job, failure: TrialFailure) -> Job | None:
+    """After ``job`` ran out of memory (``failure``), the same batch as twice as many
+    micro-batches of half, replanned; None where it is not retried (another failure, no
+    accumulation, or a micro-batch that cannot halve)."""
+    if failure.reason not in MEASURED_OOM_REASONS or not accumulates(session):
+        return None
+    smaller = fewer_samples_per_step(job.params)
+    if smaller is None:
+        return None
+    again = dataclasses.replace(
+        job,
+        params=smaller,
+        reuse=_reuse(session, job.ended, smaller),
+        attempts=(*job.attempts, oom_attempt(job.params, failure)),
+    )
+    return _with_run(session, again, job.ended)
+
+
+def _reuse(session: Session, ended: Sequence[FrozenTrial], params: LoaderParams) -> Reuse:
+    training = session.config.training
+    return plan_trial(
+        ended,
+        params,
+        training,
+        session.hardware.hardware_class,
+        _train_size(session),
+        reuse_val_loss=training.reuse_val_loss,
+    )
+
+
+def _with_run(session: Session, job: Job, ended: tuple[FrozenTrial, ...]) -> Job:
+    """``job`` with the `TrialJob` its process trains (a command's study runs the command)."""
+    command = session.config.command
+    run = TrialJob(
+        session.workload,
+        job.params,
+        session.config.training,
+        session.device,
+        plan=job.reuse.plan,
+        fresh=job.fresh if command is None else None,
+        command=command.spec() if command is not None else None,
+    )
+    return dataclasses.replace(job, run=run, ended=ended)
+
+
+def fresh_recipe(recipe: WorkloadRecipe | None, choice: str) -> WorkloadRecipe | None:
+    """How a confirmation trial's fresh process builds the workload (``study.confirm_process
+    = choice``); None where it forks from this worker instead: ``"fork"``, or a workload the
+    caller built in memory (no ``recipe``: no process can rebuild it)."""
+    return recipe if choice == "fresh" else None
+
+
+def accumulates(session: Session) -> bool:
+    """Whether a batch that does not fit in memory is trained as accumulated micro-batches:
+    never for a command, whose step is the script's own (the batch is infeasible)."""
+    config = session.config
+    return config.training.gradient_accumulation == "auto" and config.command is None
+
+
+def _train_size(session: Session) -> int | None:
+    """The training samples an epoch has; None where the study cannot see them (a
+    command's data set lives in the script)."""
+    if session.workload is None:
+        return None
+    return len(session.workload.train_dataset)  # type: ignore[arg-type]

@@ -14,15 +14,13 @@ inherits the dead trial's system attributes, constraints included.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
-from loader_search.params import LoaderParams
 from loader_search.study._keys import (
     CEILING_FROM,
     CONSTRAINT,
@@ -30,17 +28,12 @@ from loader_search.study._keys import (
     FAILURE_MESSAGE,
     FAILURE_REASON,
     FAILURE_TRACEBACK,
-    HARDWARE_CLASS_ATTR,
     INFERRED_FROM,
-    INFERRED_OOM,
     LOADER_EFFICIENCY_ATTR,
     LOST,
-    OOM_ATTEMPTS_ATTR,
-    OOM_REASONS,
     PREDICTED_ATTR,
     PREDICTION_ERROR_ATTR,
     VAL_LOSS_FROM,
-    stored_params,
 )
 from loader_search.study._optuna_compat import study_storage, trial_id
 from loader_search.study.work._plan import Reuse
@@ -61,96 +54,6 @@ class Recorded:
     failure: TrialFailure | None
     val_loss_from: tuple[int, ...] = ()  # stopped early: whose val_loss it reports
     loader_efficiency: float | None = None
-
-
-# Micro-batches smaller than this are not tried: BatchNorm cannot train on one sample.
-MIN_MICRO_BATCH = 2
-
-
-def footprint(params: LoaderParams) -> tuple[int, int]:
-    """What memory grows with: the micro-batch (the DataLoader's batch size) and the number of
-    micro-batches in flight in the loader."""
-    return params.micro_batch_size, params.batches_in_flight
-
-
-def oom_attempt(params: LoaderParams, failure: TrialFailure) -> dict[str, object]:
-    """One entry of a trial's ``oom_attempts``: a micro-batch that ran out of memory before
-    the trial trained with more accumulation steps."""
-    micro, in_flight = footprint(params)
-    return {"micro_batch_size": micro, "in_flight": in_flight, "reason": failure.reason}
-
-
-def _known_ooms(
-    trials: Sequence[FrozenTrial], hardware_class: str | None
-) -> list[tuple[int, int, int]]:
-    """Every footprint that ran out of memory on this hardware, with the trial that shows it:
-    trials that failed so, and the attempts that trials trained past by accumulating."""
-    known = []
-    for trial in trials:
-        if trial.user_attrs.get(HARDWARE_CLASS_ATTR) != hardware_class:
-            continue
-        source = int(trial.user_attrs.get(INFERRED_FROM, trial.number))
-        if trial.user_attrs.get(FAILURE_REASON) in OOM_REASONS:
-            other = stored_params(trial)
-            if other is not None:
-                known.append((*footprint(other), source))
-        attempts = trial.user_attrs.get(OOM_ATTEMPTS_ATTR)
-        for attempt in attempts if isinstance(attempts, list) else ():
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                known.append((int(attempt["micro_batch_size"]), int(attempt["in_flight"]), source))
-    return known
-
-
-def known_failure(
-    trials: Sequence[FrozenTrial], params: LoaderParams, hardware_class: str | None
-) -> tuple[TrialFailure, int] | None:
-    """An out-of-memory verdict inferred without training, with the number of the trial that
-    really ran out of memory; or None.
-
-    On the same hardware, settings that need at least as much memory as ones that already ran
-    out (same or larger micro-batch, and same or more ``num_workers * prefetch_factor``
-    micro-batches in flight) would run out again: training them would only cost time.
-    """
-    batch, in_flight = footprint(params)
-    for other_batch, other_in_flight, source in _known_ooms(trials, hardware_class):
-        if batch >= other_batch and in_flight >= other_in_flight:
-            failure = TrialFailure(
-                reason=INFERRED_OOM,
-                message=(
-                    f"not trained: needs at least the memory of trial #{source}"
-                    f" (batch {other_batch}, {other_in_flight} batches in flight), which ran"
-                    " out of memory on this hardware"
-                ),
-                hint="smaller batch sizes or fewer workers x prefetch fit",
-                traceback="",
-                infeasible=True,
-            )
-            return failure, source
-    return None
-
-
-def fewer_samples_per_step(params: LoaderParams) -> LoaderParams | None:
-    """``params`` with twice the accumulation steps (half the micro-batch), or None when the
-    micro-batch cannot be halved any more."""
-    steps = params.accumulation_steps * 2
-    if params.batch_size % steps or params.batch_size // steps < MIN_MICRO_BATCH:
-        return None
-    return dataclasses.replace(params, accumulation_steps=steps)
-
-
-def fit_in_memory(
-    trials: Sequence[FrozenTrial], params: LoaderParams, hardware_class: str | None
-) -> tuple[LoaderParams, int | None]:
-    """``params`` with the fewest accumulation steps whose footprint no known out-of-memory
-    failure rules out, with the trial whose failure made it accumulate (None when nothing
-    did); ``params`` unchanged when no micro-batch fits (`known_failure` then says why)."""
-    fitted, source = params, None
-    while (known := known_failure(trials, fitted, hardware_class)) is not None:
-        smaller = fewer_samples_per_step(fitted)
-        if smaller is None:
-            return params, None
-        fitted, source = smaller, known[1]
-    return fitted, source
 
 
 def record(

@@ -4,9 +4,10 @@ Under the study lock (`loader_search.team._locks.study_lock`), only what must be
 the whole team: sweep stale trials, read the trials, bind or check the hardware class, decide on
 the budget (`loader_search.study.work._budget.decide`), queue what the decision asks for (a
 baseline, a confirmation round, the pipeline model's proposals), and create (or pop) the trial,
-which then counts against the budget. Sampling its settings and storing what it will run come
-after the lock. A worker first looks ahead without any lock (`look_ahead`), so that it never
-queues behind this machine's other trials only to learn that the study is done.
+which then counts against the budget. Sampling its settings, storing what it will run and
+planning it (`loader_search.study.work._plan.plan_job`) come after the lock. A worker first
+looks ahead without any lock (`look_ahead`), so that it never queues behind this machine's
+other trials only to learn that the study is done.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from loader_search.params import LoaderParams, Objective
+from loader_search.params import Objective
 from loader_search.study._events import Reporter
 from loader_search.study._keys import (
     BASELINE_ATTR,
@@ -67,6 +68,7 @@ from loader_search.study.work._budget import (
 )
 from loader_search.study.work._heartbeats import Health, beating, fail_stale_trials
 from loader_search.study.work._machine import hardware_mismatch
+from loader_search.study.work._plan import Job, plan_job
 from loader_search.study.work._record import record_interrupted
 from loader_search.study.work._script import baseline_batch_size
 from loader_search.study.work._session_state import Session
@@ -117,11 +119,9 @@ class Worker:
         self.reporter.warning(f"database unreachable ({said}); retrying in {pause:.0f} s")
 
 
-def take_trial(
-    worker: Worker, clock: Clock
-) -> tuple[optuna.Trial, LoaderParams] | Wait | Refused | None:
-    """Take the next trial with its settings; `Wait` while the budget is used but other trials
-    still run; None when the study is done.
+def take_trial(worker: Worker, clock: Clock) -> Job | Wait | Refused | None:
+    """Take the next trial, planned as the `Job` it runs; `Wait` while the budget is used but
+    other trials still run; None when the study is done.
 
     Under the study lock only what must be one step for the whole team: sweep stale trials,
     read the trials, check the hardware binding, decide on the budget (as stored now: `init`
@@ -129,11 +129,11 @@ def take_trial(
     `loader_search.study.work._budget.decide`),
     queue what the decision asks for, and create (or pop) the trial, which then counts
     against the budget. Its first heartbeat is written at once: a RUNNING trial with no
-    heartbeat would never be found stale. Sampling its settings and storing what it will
-    run come after the lock. An unreachable database is waited out with the trial, its
-    heartbeat written on every try (`Worker.beating`); should anything else fail between
-    taking it and returning it, it is failed without a reason (no budget used) rather than
-    left RUNNING.
+    heartbeat would never be found stale. Sampling its settings, storing what it will run
+    and planning it on the trials read under the lock come after the lock. An unreachable
+    database is waited out with the trial, its heartbeat written on every try
+    (`Worker.beating`); should anything else fail between taking it and returning it, it is
+    failed without a reason (no budget used) rather than left RUNNING.
     """
     session = worker.session
     study = session.study
@@ -179,7 +179,9 @@ def take_trial(
         snapshot = (
             guide.snapshot(trials, model) if guide is not None and model is not None else None
         )
-        return worker.beating(trial, lambda: _prepare(worker, trial, attrs, model, snapshot))
+        return worker.beating(
+            trial, lambda: _prepare(worker, trial, trials, attrs, model, snapshot)
+        )
     except KeyboardInterrupt:
         record_interrupted(study, trial)
         raise
@@ -192,12 +194,13 @@ def take_trial(
 def _prepare(
     worker: Worker,
     trial: optuna.Trial,
+    trials: Sequence[FrozenTrial],
     attrs: Mapping[str, Any],
     model: PipelineModel | None,
     snapshot: PipelineSnapshot | None,
-) -> tuple[optuna.Trial, LoaderParams] | Refused:
-    """Sample the taken ``trial``'s settings and store what it will run (after the lock;
-    each step may be tried again)."""
+) -> Job | Refused:
+    """Sample the taken ``trial``'s settings, store what it will run and plan its `Job` on
+    the study's ``trials`` (after the lock; each step may be tried again)."""
     session = worker.session
     if snapshot is not None:
         _store_pipeline(session, attrs, snapshot)
@@ -225,7 +228,7 @@ def _prepare(
         stored[PREDICTED_ATTR] = prediction.throughput
         stored[PREDICTED_BOTTLENECK_ATTR] = prediction.bottleneck
     write_user_attrs(trial, stored)
-    return trial, params
+    return plan_job(session, trial, params, trials)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ Many workers on many machines share one study and one trial budget. What keeps t
 * **Where a trial trains.** A search trial is a child forked from this worker (no imports,
   no build: cheap). A confirmation trial (``study.confirm_process = "fresh"``, the default)
   is forked instead from a fresh Python process that built its own workload, as a user's
-  script does, and shares no memory with the worker (`fresh_recipe`,
-  `loader_search.trial.FreshHost`): the session starts it beside the worker's
-  own start-up, and it is kept for this worker's confirmation trials. Forked from the
+  script does, and shares no memory with the worker
+  (`loader_search.study.work._plan.fresh_recipe`, `loader_search.trial.FreshHost`): the
+  session starts it beside the worker's own start-up, and it is kept for this worker's
+  confirmation trials. Forked from the
   worker (``"fork"``), the baseline read low more often and the claims erred more
   (benchmarks/RESULTS.md, "The printed speedup against a plain loop").
 """
@@ -32,11 +33,9 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from loader_search import interrupts
 from loader_search.errors import StudyAborted
@@ -48,7 +47,6 @@ from loader_search.study._keys import (
     BASELINE_ATTR,
     CONFIRM_ROUND_ATTR,
     CONFIRMATION_ATTR,
-    MEASURED_OOM_REASONS,
     MICRO_BATCH_ATTR,
     OOM_ATTEMPTS_ATTR,
     PARAMS_ATTR,
@@ -58,21 +56,13 @@ from loader_search.study._optuna_compat import trial_id
 from loader_search.study._points import is_feasible, pareto_front, trial_points
 from loader_search.study.work._budget import FINISHED_STATES, Done, Wait, count_used
 from loader_search.study.work._heartbeats import Every, Health
-from loader_search.study.work._plan import Reuse, plan_trial
-from loader_search.study.work._record import (
-    Recorded,
-    fewer_samples_per_step,
-    fit_in_memory,
-    known_failure,
-    oom_attempt,
-    record,
-    record_interrupted,
-)
+from loader_search.study.work._plan import Job, smaller_job
+from loader_search.study.work._record import Recorded, record, record_interrupted
 from loader_search.study.work._session_state import Session
 from loader_search.study.work._take import Patience, Refused, Worker, look_ahead, sweep, take_trial
 from loader_search.study.work._timings import Clock
 from loader_search.team import host_lock
-from loader_search.trial import TrialFailure, TrialJob, TrialOutcome, WorkloadRecipe, run_isolated
+from loader_search.trial import TrialOutcome, run_isolated
 
 
 def count_finished(study: optuna.Study) -> int:
@@ -150,9 +140,9 @@ def work(
                     taken = worker.retrying(functools.partial(take_trial, worker, clock))
                 if taken is None:
                     break
-                if isinstance(taken, tuple):
-                    trial, params = taken
-                    recorded = _run_one(worker, trial, params, clock)
+                if isinstance(taken, Job):
+                    trial = taken.trial
+                    recorded = _run_one(worker, taken, clock)
             if isinstance(taken, Refused):
                 continue  # nothing ran: take the next
             if isinstance(taken, Wait):
@@ -185,9 +175,9 @@ def _wait_for_others(reporter: Reporter, wait: Wait, interval: float) -> None:
     interrupts.sleep(interval)
 
 
-def _run_one(worker: Worker, trial: optuna.Trial, params: LoaderParams, clock: Clock) -> Recorded:
-    """Run ``trial`` with ``params`` and record its outcome, its heartbeat written meanwhile."""
-    session = worker.session
+def _run_one(worker: Worker, job: Job, clock: Clock) -> Recorded:
+    """Run the taken trial's ``job`` and record its outcome, its heartbeat written meanwhile."""
+    session, trial = worker.session, job.trial
     study = session.study
     heartbeat = Every(
         session.config.workers.heartbeat_interval_s,
@@ -201,31 +191,8 @@ def _run_one(worker: Worker, trial: optuna.Trial, params: LoaderParams, clock: C
     try:
         heartbeat.start()
         interrupts.check()  # a Ctrl-C while the trial was being taken
-        worker.reporter.trial_started(trial.number, params)
-        hardware_class = session.hardware.hardware_class
-        extra: dict[str, object] = {}
-        with clock.part("plan"):
-            trials = worker.retrying(functools.partial(study.get_trials, deepcopy=False))
-            ended = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
-            if _accumulates(session):
-                params, forced_by = fit_in_memory(ended, params, hardware_class)
-                if forced_by is not None:
-                    extra[ACCUMULATION_FROM] = forced_by
-            inferred = known_failure(ended, params, hardware_class)
-        fresh = None
-        if trial.user_attrs.get(CONFIRMATION_ATTR):
-            fresh = fresh_recipe(session.recipe, session.config.confirm_process)
-        ran = _run_fitting(worker, trial, params, clock, ended, inferred, fresh)
-        params, outcome = ran.params, ran.outcome
-        extra[PARAMS_ATTR] = params.as_dict()
-        if inferred is None:
-            extra[TRIAL_PROCESS_ATTR] = (
-                ("fresh" if fresh else "fork") if outcome.isolated else "in-process"
-            )
-        extra[MICRO_BATCH_ATTR] = params.micro_batch_size
-        extra[ACCUMULATION_ATTR] = params.accumulation_steps
-        if ran.attempts:
-            extra[OOM_ATTEMPTS_ATTR] = ran.attempts
+        worker.reporter.trial_started(trial.number, job.params)
+        job, outcome = _train(worker, job, clock)
         if outcome.failure and outcome.failure.infeasible and trial.user_attrs.get(BASELINE_ATTR):
             # The plainest loader does not train (it diverged or ran out of memory): that is
             # no region for the sampler to avoid but a broken workload; the study stops.
@@ -237,9 +204,9 @@ def _run_one(worker: Worker, trial: optuna.Trial, params: LoaderParams, clock: C
                 study,
                 trial,
                 outcome,
-                reuse=ran.reuse,
-                inferred_from=inferred[1] if inferred else None,
-                extra=extra,
+                reuse=job.reuse,
+                inferred_from=job.inferred[1] if job.inferred else None,
+                extra=_stored(job, outcome),
                 on_retry=worker.unreachable,
             )
     except KeyboardInterrupt:
@@ -251,98 +218,52 @@ def _run_one(worker: Worker, trial: optuna.Trial, params: LoaderParams, clock: C
         heartbeat.stop()
     with clock.part("event"):
         event = worker.retrying(
-            functools.partial(_event, worker, trial, params, recorded, started)
+            functools.partial(_event, worker, trial, job.params, recorded, started)
         )
     worker.reporter.trial_finished(event)
     return recorded
 
 
-def fresh_recipe(recipe: WorkloadRecipe | None, choice: str) -> WorkloadRecipe | None:
-    """How a confirmation trial's fresh process builds the workload (``study.confirm_process
-    = choice``); None where it forks from this worker instead: ``"fork"``, or a workload the
-    caller built in memory (no ``recipe``: no process can rebuild it)."""
-    return recipe if choice == "fresh" else None
-
-
-def _accumulates(session: Session) -> bool:
-    """Whether a batch that does not fit in memory is trained as accumulated micro-batches:
-    never for a command, whose step is the script's own (the batch is infeasible)."""
-    config = session.config
-    return config.training.gradient_accumulation == "auto" and config.command is None
-
-
-def _train_size(session: Session) -> int | None:
-    """The training samples an epoch has; None where the study cannot see them (a
-    command's data set lives in the script)."""
-    if session.workload is None:
-        return None
-    return len(session.workload.train_dataset)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class _Ran:
-    """What `_run_fitting` ran: the outcome, the settings of the last run (smaller
-    micro-batches after each out-of-memory), that run's plan, and the out-of-memory attempts
-    before it (as stored under `OOM_ATTEMPTS_ATTR`)."""
-
-    outcome: TrialOutcome
-    params: LoaderParams
-    reuse: Reuse
-    attempts: list[dict[str, object]]
-
-
-def _run_fitting(
-    worker: Worker,
-    trial: optuna.Trial,
-    params: LoaderParams,
-    clock: Clock,
-    ended: Sequence[FrozenTrial],
-    inferred: tuple[TrialFailure, int] | None,
-    fresh: WorkloadRecipe | None,
-) -> _Ran:
-    """Run the trial in its own process (a fresh one, building its workload from ``fresh``,
-    if given; else forked from this one); with ``gradient_accumulation = "auto"``, a measured
-    out-of-memory runs it again at once as twice as many micro-batches of half (the same
-    effective batch), until it fits or the micro-batch cannot halve. A failure ``inferred``
-    from the ``ended`` trials runs nothing."""
-    session = worker.session
-    attempts: list[dict[str, object]] = []
+def _train(worker: Worker, job: Job, clock: Clock) -> tuple[Job, TrialOutcome]:
+    """Train ``job`` in its own process (see `TrialJob`); after a measured out-of-memory,
+    the next job `smaller_job` plans, until one fits or none is left. Returns the last job
+    and its outcome. A job whose failure is already known trains nothing."""
     while True:
-        reuse = plan_trial(
-            ended,
-            params,
-            session.config.training,
-            session.hardware.hardware_class,
-            _train_size(session),
-            reuse_val_loss=session.config.training.reuse_val_loss,
-        )
-        if inferred is not None:
-            outcome = TrialOutcome(result=None, failure=inferred[0], wall_s=0.0, startup_s=0.0)
-            return _Ran(outcome, params, reuse, attempts)
-        command = session.config.command
-        job = TrialJob(
-            session.workload,
-            params,
-            session.config.training,
-            session.device,
-            plan=reuse.plan,
-            fresh=fresh if command is None else None,
-            command=command.spec() if command is not None else None,
-        )
+        if job.run is None:
+            assert job.inferred is not None  # plan_job plans a run for every other job
+            known = job.inferred[0]
+            return job, TrialOutcome(result=None, failure=known, wall_s=0.0, startup_s=0.0)
         with clock.part("job"):
-            outcome = run_isolated(job, limits=session.config.limits, host=worker.fresh)
-        smaller = fewer_samples_per_step(params) if _accumulates(session) else None
+            outcome = run_isolated(job.run, limits=worker.session.config.limits, host=worker.fresh)
         failure = outcome.failure
-        if failure is None or failure.reason not in MEASURED_OOM_REASONS or smaller is None:
-            return _Ran(outcome, params, reuse, attempts)
-        # Out of memory: the same batch again, as twice as many micro-batches of half.
-        attempts.append(oom_attempt(params, failure))
+        smaller = smaller_job(worker.session, job, failure) if failure is not None else None
+        if failure is None or smaller is None:
+            return job, outcome
+        params = smaller.params
         worker.reporter.warning(
-            f"trial #{trial.number}: {params.describe()} ran out of memory"
-            f" ({failure.reason}); training it as {smaller.accumulation_steps}"
-            f" micro-batches of {smaller.micro_batch_size}"
+            f"trial #{job.trial.number}: {job.params.describe()} ran out of memory"
+            f" ({failure.reason}); training it as {params.accumulation_steps}"
+            f" micro-batches of {params.micro_batch_size}"
         )
-        params = smaller
+        job = smaller
+
+
+def _stored(job: Job, outcome: TrialOutcome) -> dict[str, object]:
+    """What the trial stores besides its outcome: the settings it trained with, how, and
+    the out-of-memory attempts before them."""
+    stored: dict[str, object] = {
+        PARAMS_ATTR: job.params.as_dict(),
+        MICRO_BATCH_ATTR: job.params.micro_batch_size,
+        ACCUMULATION_ATTR: job.params.accumulation_steps,
+    }
+    if job.forced_by is not None:
+        stored[ACCUMULATION_FROM] = job.forced_by
+    if job.inferred is None:
+        where = "fresh" if job.fresh else "fork"
+        stored[TRIAL_PROCESS_ATTR] = where if outcome.isolated else "in-process"
+    if job.attempts:
+        stored[OOM_ATTEMPTS_ATTR] = list(job.attempts)
+    return stored
 
 
 def _event(
