@@ -183,7 +183,9 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
         CliRunner().invoke(app, ["best", "confirmed", "--storage", url, "--json"]).stdout
     )
     rec = best["recommended"]
-    assert rec["confirmation_rounds"] >= 2, "the candidates were confirmed in paired rounds"
+    # The run's own account says why, should the rounds not have run.
+    why = "\n".join(stdout.splitlines()[-60:])
+    assert rec["confirmation_rounds"] >= 2, f"the candidates were not confirmed:\n{why}"
     low, high = rec["speedup_ci95"]
     assert rec["verdict"] == ("faster" if low > 1 else "no_reliable_gain")
     # The JSON report's summary is `best --json`, front and recommendation alike.
