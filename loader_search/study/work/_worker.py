@@ -22,9 +22,12 @@ Many workers on many machines share one study and one trial budget. What keeps t
   script does, and shares no memory with the worker
   (`loader_search.study.work._plan.fresh_recipe`, `loader_search.trial.FreshHost`): the
   session starts it beside the worker's own start-up, and it is kept for this worker's
-  confirmation trials. Forked from the
-  worker (``"fork"``), the baseline read low more often and the claims erred more
-  (benchmarks/RESULTS.md, "The printed speedup against a plain loop").
+  confirmation trials. Forked from the worker (``"fork"``), the baseline read low more often
+  and the claims erred more (benchmarks/RESULTS.md, "The printed speedup against a plain
+  loop").
+* **One job per trial.** The taken trial comes planned (`loader_search.study.work._plan.Job`):
+  the loop trains that job and records its outcome, replanning it only after an
+  out-of-memory.
 """
 
 from __future__ import annotations
