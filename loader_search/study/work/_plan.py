@@ -274,8 +274,9 @@ def plan_job(
     if trial.user_attrs.get(CONFIRMATION_ATTR):
         fresh = fresh_recipe(session.recipe, session.config.confirm_process)
     inferred = known_failure(ended, params, hardware_class)
-    job = Job(trial, params, _reuse(session, ended, params), None, inferred, fresh, forced_by)
-    return job if inferred is not None else _with_run(session, job, ended)
+    reuse = _reuse(session, ended, params)
+    job = Job(trial, params, reuse, None, inferred, fresh, forced_by, ended=ended)
+    return job if inferred is not None else _with_run(session, job)
 
 
 def smaller_job(session: Session, job: Job, failure: TrialFailure) -> Job | None:
@@ -293,7 +294,7 @@ def smaller_job(session: Session, job: Job, failure: TrialFailure) -> Job | None
         reuse=_reuse(session, job.ended, smaller),
         attempts=(*job.attempts, oom_attempt(job.params, failure)),
     )
-    return _with_run(session, again, job.ended)
+    return _with_run(session, again)
 
 
 def _reuse(session: Session, ended: Sequence[FrozenTrial], params: LoaderParams) -> Reuse:
@@ -308,7 +309,7 @@ def _reuse(session: Session, ended: Sequence[FrozenTrial], params: LoaderParams)
     )
 
 
-def _with_run(session: Session, job: Job, ended: tuple[FrozenTrial, ...]) -> Job:
+def _with_run(session: Session, job: Job) -> Job:
     """``job`` with the `TrialJob` its process trains (a command's study runs the command)."""
     command = session.config.command
     run = TrialJob(
@@ -320,7 +321,7 @@ def _with_run(session: Session, job: Job, ended: tuple[FrozenTrial, ...]) -> Job
         fresh=job.fresh if command is None else None,
         command=command.spec() if command is not None else None,
     )
-    return dataclasses.replace(job, run=run, ended=ended)
+    return dataclasses.replace(job, run=run)
 
 
 def fresh_recipe(recipe: WorkloadRecipe | None, choice: str) -> WorkloadRecipe | None:
