@@ -148,3 +148,37 @@ def test_the_configuration_page_lists_every_range() -> None:
     page = (ROOT / "docs" / "configuration.md").read_text()
     for key, rule in RANGES.items():
         assert f"| `{key}` | {rule.text} |" in page, f"docs/configuration.md lacks {key}"
+
+
+def _walk_rows() -> list[tuple[int, str, str]]:
+    """(step, file, name) of each row of docs/development.md's walk of one setting."""
+    text = (DOCS / "development.md").read_text(encoding="utf-8")
+    section = text.split("## One setting, from `run` to the loop", 1)[1].split("\n## ", 1)[0]
+    row = re.compile(r"^\| (\d+) \| `([^`]+)` \| `([^`]+)` \|", re.M)
+    return [(int(n), file, name) for n, file, name in row.findall(section)]
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Whether ``path`` defines ``name`` at its top level (``Class.method`` inside a class)."""
+    import ast
+
+    owner, _, member = name.rpartition(".")
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    if owner:
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == owner]
+        body = classes[0].body if classes else []
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return any(isinstance(n, kinds) and n.name == member for n in body)
+
+
+def test_the_walk_of_one_setting_names_functions_where_they_live() -> None:
+    rows = _walk_rows()
+    assert [n for n, _, _ in rows] == list(range(1, len(rows) + 1)), "rows not numbered 1..N"
+    assert rows[0][2] == "run" and rows[-1][2] == "build_loader", "not from `run` to the loop"
+    package = ROOT / "loader_search"
+    moved = [
+        f"{n}: {file} {name}"
+        for n, file, name in rows
+        if not (package / file).is_file() or not _defines(package / file, name)
+    ]
+    assert not moved, f"docs/development.md's walk names what is not there: {moved}"
