@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def test_a_wait_for_the_host_lock_ends_on_a_stop(tmp_path: Path) -> None:
 # The console script, as a user starts it: its imports (typer, rich, torch, optuna) take the
 # first second or two, and a signal may come at any moment of them.
 CONSOLE_SCRIPT = Path(sys.executable).parent / "loader-search"
+# A traceback frame of `main`, the console script's entry, which handles both signals.
+MAIN_FRAME = re.compile(r'loader_search[/\\]cli[/\\]__init__\.py", line \d+, in main\b')
 
 
 @pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason="the console script is not installed")
@@ -91,11 +94,22 @@ def test_a_signal_from_the_first_moment_on_is_one_line_and_its_exit_code(
         time.sleep(delay)
         process.send_signal(number)
         _, stderr = process.communicate(timeout=120)
-        if delay == 0.05 and process.returncode == -number:
-            # On a busy machine the interpreter may not have run a line of the program yet
-            # (seen once with the suite run in parallel): no handler can exist then, and
-            # the process must have printed and stored nothing.
-            assert stderr == "" and not (tmp_path / f"study-{delay}.db").exists()
+        if delay == 0.05 and process.returncode != code:
+            # On a busy machine the signal may come before `main`'s first line, while the
+            # interpreter starts (its `site`, the editable install's finder) or the console
+            # script's imports run (seen in parallel runs: once silent, once a SIGINT inside
+            # `import typing`). No handler exists yet, so Python's default applies: SIGTERM
+            # ends the process silently; SIGINT prints a KeyboardInterrupt traceback and
+            # ends it by the signal, or with 1 inside `site` or while `__main__` is set up.
+            # Its frames must never reach `main`, and nothing may be stored.
+            assert not (tmp_path / f"study-{delay}.db").exists(), stderr[-2000:]
+            if number == signal.SIGTERM:
+                assert (process.returncode, stderr) == (-number, ""), stderr[-2000:]
+            else:
+                assert process.returncode in (-number, 1), (process.returncode, stderr[-2000:])
+                last = stderr.rstrip().splitlines()[-1] if stderr.strip() else ""
+                untouched = stderr == "" or last.startswith("KeyboardInterrupt")
+                assert untouched and not MAIN_FRAME.search(stderr), stderr[-2000:]
             continue
         assert process.returncode == code, (delay, process.returncode, stderr[-2000:])
         assert "Traceback" not in stderr, (delay, stderr[-2000:])

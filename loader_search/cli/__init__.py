@@ -24,12 +24,17 @@ def main() -> int:
     Ctrl-C exits 130 and SIGTERM 143, each with one line and no traceback, whenever they
     come, even while the imports run (without this, Ctrl-C then printed a traceback of the
     import, and SIGTERM ended the process by the signal before any handler was in place).
+    Before this line (the interpreter's start-up, the console script's first imports, some
+    tens of milliseconds) Python's defaults apply: Ctrl-C prints its traceback, SIGTERM
+    ends the process silently; nothing has been stored then.
     """
-    from loader_search import interrupts
-
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, interrupts.on_signal)
     try:
+        # Inside the `try`: a Ctrl-C while the handler's own module is imported is Python's
+        # KeyboardInterrupt, told as one line below like any other.
+        from loader_search import interrupts
+
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, interrupts.on_signal)
         from loader_search.cli._commands import app
 
         app(prog_name="loader-search")  # standalone: it always ends in SystemExit
