@@ -7,7 +7,11 @@ and drops it: the worker would go on training. So while the trial loop runs (`de
 the handler only records the request (`request_stop`), and the loop raises KeyboardInterrupt
 at its safe points (`check`): every poll of the trial supervisor (0.1 s), every wait for a
 lock or a retry, and between the steps of a trial. Outside the loop (building the workload,
-opening the storage) the handler raises at once, as Python's default does.
+opening the storage) the handler raises at once, as Python's default does, except inside an
+import: a KeyboardInterrupt raised there can surface as another error (seen: a `TypeError`
+from the import of `_ssl`) or, inside torch's native start-up, abort the process
+(SIGABRT). There the request waits for the import to end, looked at again every 50 ms
+(`SIGALRM`).
 
 The command line installs `on_signal` for both signals as its very first step, before its
 heavy imports: from then on Ctrl-C exits 130 and SIGTERM 143 (`exit_code`), with one line.
@@ -19,6 +23,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 STOP_REQUESTED = threading.Event()
 _deferred = False  # the main thread is in the trial loop
@@ -27,11 +32,43 @@ _deferred = False  # the main thread is in the trial loop
 _received: list[int] = []  # the signals that asked to stop, not yet told in an exit code
 
 
-def on_signal(signum: int, frame: object) -> None:
+_RECHECK_S = 0.05  # how often a stop request that came inside an import looks again
+
+
+def on_signal(signum: int, frame: FrameType | None) -> None:
     """The SIGINT and SIGTERM handler: remembers which signal came, for `exit_code`, then
-    `request_stop`."""
+    `request_stop`; inside an import, once the import is over (see the module docstring)."""
     _received.append(signum)
+    if _importing(frame) and hasattr(signal, "setitimer"):  # POSIX
+        STOP_REQUESTED.set()
+        _look_again()
+        return
     request_stop()
+
+
+def _look_again() -> None:
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, _RECHECK_S)
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    """A stop request that came inside an import, looked at again: acted on now, unless the
+    import still runs or the request was told already (`exit_code`)."""
+    if not STOP_REQUESTED.is_set() or not _received:
+        return
+    if _importing(frame):
+        _look_again()
+        return
+    request_stop()
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the main thread, stopped at ``frame``, is inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def exit_code() -> int:
