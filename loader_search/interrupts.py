@@ -39,7 +39,7 @@ def on_signal(signum: int, frame: FrameType | None) -> None:
     """The SIGINT and SIGTERM handler: remembers which signal came, for `exit_code`, then
     `request_stop`; inside an import, once the import is over (see the module docstring)."""
     _received.append(signum)
-    if _importing(frame) and hasattr(signal, "setitimer"):  # POSIX
+    if not _deferred and _importing(frame) and hasattr(signal, "setitimer"):  # POSIX
         STOP_REQUESTED.set()
         _look_again()
         return
