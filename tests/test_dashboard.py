@@ -6,6 +6,7 @@ dominate every real one: plain optuna-dashboard 0.21 lists it as Pareto-optimal;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import select
@@ -44,9 +45,15 @@ def _read_line(process: subprocess.Popen[str], timeout_s: float) -> str:
 
 @pytest.fixture
 def server(study: tuple[str, optuna.Study]) -> Iterator[tuple[str, subprocess.Popen[str], str]]:
+    with serving(study[0]) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(storage: str) -> Iterator[tuple[str, subprocess.Popen[str], str]]:
     """The CLI's dashboard on a free port: (base URL, process, the line it printed)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "loader_search", "dashboard", "--storage", study[0], "--port", "0"],
+        [sys.executable, "-m", "loader_search", "dashboard", "--storage", storage, "--port", "0"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -103,6 +110,21 @@ def test_dashboard_serves_the_study_without_infeasible_pareto_trials(
     process.send_signal(signal.SIGINT)  # Ctrl-C stops it cleanly
     assert process.wait(timeout=30) == 0
     assert process.stdout is not None and "Dashboard stopped." in process.stdout.read()
+
+
+def test_a_study_whose_attributes_cannot_be_read_hides_no_other(tmp_path: Path) -> None:
+    from tests.test_unreadable_study import plant_deep_attribute
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    for name in ("good", "bad"):
+        optuna.create_study(study_name=name, storage=url).set_user_attr("owner", name)
+    plant_deep_attribute(url, "bad")
+    with serving(url) as (base, _, _):
+        studies = _get(f"{base}/api/studies")["study_summaries"]
+        assert [s["study_name"] for s in studies] == ["good", "bad"]
+        good = _get(f"{base}/api/studies/{studies[0]['study_id']}")
+        assert good["name"] == "good"
+        assert good["user_attrs"] == [{"key": "owner", "value": "good"}]
 
 
 def test_dashboard_binds_to_localhost_by_default(

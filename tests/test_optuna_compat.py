@@ -40,6 +40,30 @@ def test_each_private_piece_is_where_the_compat_module_reads_it(tmp_path: Path) 
     assert all(isinstance(s, FrozenStudy) for s in storage.get_all_studies())
 
 
+def test_study_names_are_read_without_the_attributes(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    storage = optuna.storages.RDBStorage(url)
+    for name in ("b", "a", "c"):
+        optuna.create_study(study_name=name, storage=storage).set_user_attr("k", name)
+    assert compat.study_names(storage) == ["b", "a", "c"]  # oldest first, as Optuna lists
+    assert compat.study_names(storage) == optuna.study.get_all_study_names(storage)
+    cached = compat.study_storage(optuna.load_study(study_name="a", storage=url))
+    assert compat.study_names(cached) == ["b", "a", "c"]  # through Optuna's cache too
+    import sqlite3
+
+    # A value Optuna's listing cannot decode (its attributes are what it trips on).
+    with sqlite3.connect(tmp_path / "n.db") as connection:
+        connection.execute(
+            "UPDATE study_user_attributes SET value_json = '[' WHERE value_json = '\"b\"'"
+        )
+    with pytest.raises(ValueError):
+        optuna.study.get_all_study_names(storage)
+    assert compat.study_names(storage) == ["b", "a", "c"]
+    memory = InMemoryStorage()
+    optuna.create_study(study_name="m", storage=memory)
+    assert compat.study_names(memory) == ["m"]  # the public fallback
+
+
 def test_without_a_database_the_writer_says_so() -> None:
     with compat.rdb_attr_writer(InMemoryStorage()) as write:
         assert write is None

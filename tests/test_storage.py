@@ -16,6 +16,7 @@ from loader_search.errors import UserError
 from loader_search.team import (
     DEFAULT_STORAGE,
     STORAGE_ENV,
+    has_password,
     is_busy,
     mask_url,
     open_storage,
@@ -26,6 +27,8 @@ from loader_search.team import _storage as storage_module
 from tests.conftest import (
     MARIADB_URL,
     POSTGRES_URL,
+    ROOT,
+    invoke,
     require_database,
     run_cli,
     scratch_database,
@@ -50,6 +53,53 @@ def test_passwords_are_masked() -> None:
     assert mask_url("postgresql+psycopg://u:p@ss@h/db") == "<storage URL with an unencoded @>"
     assert mask_url("sqlite:///x.db") == "sqlite:///x.db"
     assert mask_url("postgresql://u:s3cret@h:notaport/db") == "<unparsable storage URL>"
+
+
+def test_a_url_without_a_password_is_shown_as_written(tmp_path: Path) -> None:
+    # SQLAlchemy's rendering percent-encodes the database part: `%3Amemory%3A`.
+    for url in (
+        "sqlite:///:memory:",
+        "sqlite://",
+        "sqlite:////tmp/my studies/été.db",
+        "sqlite:///file:x.db?mode=ro&uri=true",
+        "postgresql+psycopg://alice@db:5432/my:db?sslmode=require",
+    ):
+        assert mask_url(url) == url
+    both = mask_url("postgresql+psycopg://alice:s3cret@db/my:db?sslpassword=s3cret")
+    assert both == "postgresql+psycopg://alice:***@db/my:db?sslpassword=***"
+    odd = mask_url("postgresql://u:s3cret@h/a%3Fb%25c?password=s3cret")  # `?`, `%` stay encoded
+    assert odd == "postgresql://u:***@h/a%3Fb%25c?password=***"
+    assert make_url(odd).database == "a?b%c"
+    quickstart = str(ROOT / "studies/quickstart.toml")
+    refused = invoke("init", quickstart, "--storage", "sqlite:///:memory:", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "init --storage sqlite:///:memory: is an in-memory database" in refused.stderr
+
+
+def test_a_password_in_storage_is_a_warning_that_never_shows_it(tmp_path: Path) -> None:
+    secret = "s3cret-in-argv"
+    assert has_password(f"postgresql://u:{secret}@h/db")
+    assert has_password(f"postgresql://u@h/db?password={secret}")
+    assert has_password(f"postgresql://u:{secret}@h:notaport/db")  # unparsable, still a password
+    assert not has_password("postgresql://u@h/db") and not has_password("sqlite:///:memory:")
+    with scratch_database(POSTGRES_URL) as url:
+        optuna.create_study(study_name="listed", storage=url)
+        parsed = make_url(url)  # the server trusts this machine: any password is accepted
+        with_password = parsed.set(password=secret).render_as_string(hide_password=False)
+        in_query = parsed.update_query_dict({"password": secret}).render_as_string(False)
+        for given in (with_password, in_query):
+            result = invoke("studies", "--storage", given, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr  # a warning: the command goes on
+            assert "listed" in result.stdout
+            warned = [line for line in result.stderr.splitlines() if "warning:" in line]
+            assert len(warned) == 1, result.stderr
+            assert "process list" in warned[0] and f"${STORAGE_ENV}" in warned[0]
+            assert secret not in result.stdout + result.stderr
+        plain = invoke("studies", "--storage", url, cwd=tmp_path)
+        assert plain.returncode == 0 and "listed" in plain.stdout, plain.stderr
+        assert "warning" not in plain.stderr
+        from_env = invoke("studies", cwd=tmp_path, env={STORAGE_ENV: with_password})
+        assert from_env.returncode == 0 and "warning" not in from_env.stderr, from_env.stderr
 
 
 def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
@@ -274,8 +324,9 @@ def test_the_cli_names_a_silent_server_and_exits_2(silent_port: int, tmp_path: P
         "studies", "--storage", url, cwd=tmp_path, env={storage_module.DB_TIMEOUT_ENV: "1"}
     )
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"127.0.0.1:{silent_port} did not answer" in lines[0], lines
+    warning, error = result.stderr.strip().splitlines()  # the password's warning first
+    assert warning.startswith("warning: --storage holds a password")
+    assert f"127.0.0.1:{silent_port} did not answer" in error, error
     assert "s3cretpw" not in result.stderr + result.stdout
     assert time.monotonic() - started < 30  # 1 s of waiting, the rest is importing
 

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -84,11 +85,19 @@ def reports_errors(command: F) -> F:
             _print_error(str(exc))
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            from loader_search.interrupts import exit_code
+            from loader_search.interrupts import exit_code, interrupted_trials
 
+            # A trial is named only where one was running and is recorded so: a stop before
+            # any (during the first look at a command, say) ended none.
+            numbers = ", ".join(f"#{number}" for number in interrupted_trials())
+            said = (
+                f"Interrupted. Trial {numbers}, which was running, is recorded as failed"
+                " (interrupted) and uses no budget;"
+                if numbers
+                else "Interrupted;"
+            )
             err_console.print(
-                "Interrupted. A trial that was running is recorded as failed (interrupted)"
-                " and uses no budget; run the same command again to continue the study.",
+                f"{said} run the same command again to continue the study.",
                 soft_wrap=True,  # one line, however narrow the terminal
             )
             raise typer.Exit(exit_code()) from None
@@ -117,6 +126,11 @@ def _print_error(line: str) -> None:
         # Scrubbed like the line: a traceback quotes URLs and connection strings.
         sys.stderr.write(printable(scrub_urls(traceback.format_exc())))
     err_console.print(f"[red]error:[/] {shown(line)}", soft_wrap=True)
+
+
+def print_warning(line: str) -> None:
+    """One ``warning: ...`` line on stderr; the command goes on."""
+    err_console.print(f"[yellow]warning:[/] {shown(line)}", soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -203,7 +217,7 @@ def print_study_ready(info: StudyInfo) -> None:
     console.print(
         f"{verb} study [bold]{shown(info.name)}[/] in {shown(info.storage)}:"
         f" {info.finished}/{info.budget} trials done. Start workers with\n"
-        f"  loader-search worker {shown(info.name)} --storage URL"
+        f"  loader-search worker {shown(shlex.quote(info.name))} --storage URL"
     )
     print_notes(info.notes)
 

@@ -8,8 +8,22 @@ from typing import Annotated
 
 import typer
 
+from loader_search.cli._console import print_warning
 from loader_search.errors import UserError
-from loader_search.team import STORAGE_ENV
+from loader_search.team import STORAGE_ENV, has_password
+
+
+def _warn_of_a_password(value: str | None) -> str | None:
+    """A password in ``--storage`` is in the process's command line, which every user of the
+    machine reads (``ps``, /proc/PID/cmdline); the environment is readable by its owner
+    alone. A warning, not an error: the command still runs. Never quotes the URL."""
+    if value is not None and has_password(value):
+        print_warning(
+            "--storage holds a password, which every user of this machine can read in the"
+            f" process list (ps); set the URL in ${STORAGE_ENV} instead and leave out --storage"
+        )
+    return value
+
 
 ConfigArgument = Annotated[
     Path, typer.Argument(help="Study config file (TOML), e.g. studies/quickstart.toml.")
@@ -24,6 +38,7 @@ StorageOption = Annotated[
             " sqlite:///loader_search.db in the current directory."
         ),
         show_default=False,
+        callback=_warn_of_a_password,
     ),
 ]
 StudyNameOption = Annotated[

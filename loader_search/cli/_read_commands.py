@@ -4,6 +4,7 @@ never run a trial; heavy modules are imported inside them."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -170,7 +171,9 @@ def studies(storage: StorageOption = None) -> None:
         DIRECTIONS,
         StudyConfig,
         hardware_classes,
+        study_attrs,
         study_budget,
+        study_names,
         study_tolerance,
         summarize,
     )
@@ -179,26 +182,29 @@ def studies(storage: StorageOption = None) -> None:
     url = resolve_storage_url(storage)
     rdb = open_storage(url, must_exist=True)
     rows = []
-    for name in optuna.study.get_all_study_names(rdb):
+    for name in study_names(rdb):
         study = optuna.load_study(study_name=name, storage=rdb)
         trials = study.get_trials(deepcopy=False)
         throughput: float | None = None
         speedup: str | None = "per machine: see best"
-        budget = study.user_attrs.get(BUDGET_ATTR)
+        budget: int | None = None
         try:
+            attrs = study_attrs(study)
             if len(study.directions) != len(DIRECTIONS):
                 speedup = "not a loader-search study"
             elif len(hardware_classes(study)) <= 1:
-                tolerance = study_tolerance(name, study.user_attrs, StudyConfig().loss_tolerance)
+                tolerance = study_tolerance(name, attrs, StudyConfig().loss_tolerance)
                 summary = summarize(study, tolerance)
                 rec = summary.recommended
                 throughput = rec.point.throughput if rec else None
                 speedup = _short_speedup(rec) if rec else None
-            budget = study_budget(name, study.user_attrs, 1) if budget is not None else None
+            stored = attrs.get(BUDGET_ATTR) is not None
+            budget = study_budget(name, attrs, 1) if stored else None
         except UserError:
-            # One study's damaged settings must not hide the others: marked, and `best`
-            # says what is wrong and how to fix it.
-            throughput, speedup, budget = None, f"damaged settings: see `best {name}`", None
+            # One study's damaged settings (or attributes that cannot be read at all) must not
+            # hide the others: marked, and `best` says what is wrong and how to fix it.
+            see = f"best {shlex.quote(name)}"
+            throughput, speedup, budget = None, f"damaged settings: see `{see}`", None
         rows.append(
             StudyRow(
                 name=name,

@@ -85,7 +85,33 @@ class FeasibilityAwareStorage(BaseStorage):
     def get_all_studies(self) -> list[FrozenStudy]:
         # Sorted by id, as optuna-dashboard does for an RDBStorage (it checks the type):
         # FrozenStudy orders by study id.
-        return sorted(self._storage.get_all_studies())
+        try:
+            return sorted(self._storage.get_all_studies())
+        except (RecursionError, ValueError):
+            # A study attribute that cannot be decoded (JSON nested too deep, written by
+            # other hands) must not hide every study: each is read alone, and one whose
+            # attributes cannot be read is listed without them.
+            return sorted(self._each_study())
+
+    def _each_study(self) -> Iterator[FrozenStudy]:
+        from loader_search.study import FrozenStudy, study_names
+
+        for name in study_names(self._storage):
+            study_id = self._storage.get_study_id_from_name(name)
+            attrs: list[dict[str, Any]] = []
+            for read in (self._storage.get_study_user_attrs, self._storage.get_study_system_attrs):
+                try:
+                    attrs.append(read(study_id))
+                except (RecursionError, ValueError):
+                    attrs.append({})
+            yield FrozenStudy(
+                study_name=name,
+                direction=None,
+                directions=self._storage.get_study_directions(study_id),
+                user_attrs=attrs[0],
+                system_attrs=attrs[1],
+                study_id=study_id,
+            )
 
     def create_new_study(
         self, directions: Sequence[StudyDirection], study_name: str | None = None

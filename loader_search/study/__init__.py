@@ -35,6 +35,7 @@ _EXPORTS = {
     "ExistingStudy": "loader_search.study._open",
     "make_sampler": "loader_search.study._open",
     "FrozenStudy": "loader_search.study._optuna_compat",
+    "study_names": "loader_search.study._optuna_compat",
     # the configuration
     "StudyConfig": "loader_search.study.config",
     "SamplerConfig": "loader_search.study.config",
@@ -106,6 +107,7 @@ _EXPORTS = {
     "WORKER_ATTR": "loader_search.study._keys",
     "is_confirmation": "loader_search.study._keys",
     "stored_params": "loader_search.study._keys",
+    "study_attrs": "loader_search.study._keys",
     "study_budget": "loader_search.study._keys",
     "study_tolerance": "loader_search.study._keys",
 }
@@ -189,7 +191,9 @@ __all__ = [
     "sample_bytes",
     "size_text",
     "stored_params",
+    "study_attrs",
     "study_budget",
+    "study_names",
     "study_tolerance",
     "summaries",
     "summarize",
@@ -241,11 +245,12 @@ if TYPE_CHECKING:
         WORKER_ATTR,
         is_confirmation,
         stored_params,
+        study_attrs,
         study_budget,
         study_tolerance,
     )
     from loader_search.study._open import ExistingStudy, make_sampler, open_existing_study
-    from loader_search.study._optuna_compat import FrozenStudy
+    from loader_search.study._optuna_compat import FrozenStudy, study_names
     from loader_search.study._points import (
         Points,
         TrialPoint,

@@ -12,8 +12,9 @@ The measurements a trial stores are the fields of `loader_search.trial._run.Tria
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from optuna.trial import FrozenTrial
 
@@ -21,6 +22,9 @@ from loader_search._rules import check_value
 from loader_search.errors import ConfigError, UserError, show_value
 from loader_search.params import OBJECTIVES, LoaderParams, Objective
 from loader_search.trial import CUDA_OOM, HOST_OOM
+
+if TYPE_CHECKING:
+    from optuna import Study
 
 # -- Objectives (Optuna's values, in this order; their names are the study's metric names) --
 THROUGHPUT = "throughput_samples_per_s"
@@ -152,6 +156,23 @@ def stored_params(trial: FrozenTrial) -> LoaderParams | None:
         return LoaderParams.from_dict(stored)
     except ValueError:
         return None
+
+
+def study_attrs(study: Study) -> dict[str, Any]:
+    """The user attributes stored with ``study``; a `UserError` naming the study when one
+    cannot be decoded: JSON nested deeper than Python's parser goes (`RecursionError`), a
+    number longer than Python reads, or text that is not JSON (`ValueError`). Other hands
+    write the database: a damaged study is an error of that study, not a traceback."""
+    try:
+        return study.user_attrs
+    except (RecursionError, ValueError):
+        name = study.study_name
+        raise UserError(
+            f"study {name!r}: its attributes cannot be read (a stored value is not JSON Python"
+            " can decode, e.g. nested too deep); remove that row from the study_user_attributes"
+            " table, or delete the study: `optuna delete-study --study-name"
+            f" {shlex.quote(name)} --storage URL`"
+        ) from None
 
 
 _RESTORE = "run `loader-search init CONFIG --storage URL` to store the study's settings afresh"

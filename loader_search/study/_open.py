@@ -15,7 +15,14 @@ import optuna
 from optuna.trial import TrialState
 
 from loader_search.errors import UserError
-from loader_search.study._keys import DIRECTIONS, FINGERPRINT_ATTR, METRIC_NAMES, study_tolerance
+from loader_search.study._keys import (
+    DIRECTIONS,
+    FINGERPRINT_ATTR,
+    METRIC_NAMES,
+    study_attrs,
+    study_tolerance,
+)
+from loader_search.study._optuna_compat import study_names
 from loader_search.study.config import StudyConfig
 from loader_search.study.stats import hardware_classes
 from loader_search.team import mask_url, open_storage, resolve_storage_url
@@ -58,7 +65,7 @@ def open_study(
     """The study ``name`` in ``storage``, created (True) or continued (False). A continued
     study must be a loader-search one, and once it has results, one created with the same
     ``fingerprint``: other settings would not compare."""
-    if name not in optuna.study.get_all_study_names(storage):
+    if name not in study_names(storage):
         try:
             study = optuna.create_study(
                 study_name=name,
@@ -78,7 +85,7 @@ def open_study(
             return study, True
     study = optuna.load_study(study_name=name, storage=storage)
     study.sampler = make_sampler(config, seed_offset=seed_offset_of(study))
-    stored = study.user_attrs.get(FINGERPRINT_ATTR)
+    stored = study_attrs(study).get(FINGERPRINT_ATTR)
     has_results = bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     if stored is not None and stored != fingerprint and has_results:
         differs = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
@@ -124,7 +131,7 @@ def open_existing_study(
         raise UserError(f"--loss-tolerance {loss_tolerance}: must be 0 or more, e.g. 0.05")
     url = resolve_storage_url(storage)
     opened, shown = open_storage(url, must_exist=True, on_busy=on_busy), mask_url(url)
-    names = optuna.study.get_all_study_names(opened)
+    names = study_names(opened)
     if name not in names:
         known = ", ".join(names) if names else "none"
         raise UserError(
@@ -133,12 +140,13 @@ def open_existing_study(
         )
     study = optuna.load_study(study_name=name, storage=opened)
     directions = [d.name.lower() for d in study.directions]
-    if directions != list(DIRECTIONS) or FINGERPRINT_ATTR not in study.user_attrs:
+    attrs = study_attrs(study)
+    if directions != list(DIRECTIONS) or FINGERPRINT_ATTR not in attrs:
         raise UserError(
             f"study {name!r} was not created by loader-search (it needs its two objectives,"
             " throughput and val_loss): pick one from `loader-search studies`"
         )
     if loss_tolerance is None:
         default = StudyConfig().loss_tolerance
-        loss_tolerance = study_tolerance(name, study.user_attrs, default)
+        loss_tolerance = study_tolerance(name, attrs, default)
     return ExistingStudy(study, opened, shown, loss_tolerance, tuple(hardware_classes(study)))

@@ -15,6 +15,9 @@ that moves one fails there, by name, instead of deep inside a study.
   ``trial.set_user_attr`` one by one.
 - ``optuna.study._frozen.FrozenStudy``: the type ``get_all_studies`` returns (the dashboard's
   storage wrapper, `loader_search.reports._dashboard`).
+- ``RDBStorage.scoped_session`` and ``optuna.storages._rdb.models.StudyModel``: the study
+  names alone (`study_names`). Public fallback: ``optuna.study.get_all_study_names``, which
+  decodes every study's attributes on the way.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "FrozenStudy",
     "cached_frozen_trial",
     "rdb_attr_writer",
+    "study_names",
     "study_storage",
     "trial_id",
 ]
@@ -51,6 +55,24 @@ def study_storage(study: optuna.Study) -> BaseStorage:
     """The storage ``study`` reads and writes through (``_storage``)."""
     storage: BaseStorage = study._storage
     return storage
+
+
+def study_names(storage: BaseStorage) -> list[str]:
+    """The names of the studies in ``storage`` (an `RDBStorage`, or Optuna's cache over one),
+    oldest first, read without decoding any study's attributes. Optuna's own listing decodes
+    them all, so one attribute that cannot be decoded (JSON nested deeper than Python's parser
+    goes, written into the shared database by other hands) would hide every study and stop
+    every command; each study's attributes are read when it is opened instead."""
+    backend = getattr(storage, "_backend", storage)
+    scoped = getattr(backend, "scoped_session", None)
+    if scoped is None:
+        return list(optuna.study.get_all_study_names(storage))
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    with _create_scoped_session(scoped) as session:
+        query = session.query(models.StudyModel.study_name).order_by(models.StudyModel.study_id)
+        return [str(name) for (name,) in query.all()]
 
 
 def cached_frozen_trial(trial: optuna.Trial) -> FrozenTrial:

@@ -32,6 +32,7 @@ _EXPORTS = {
     # passwords kept out of what is shown
     "mask_url": "loader_search.team._masking",
     "scrub_urls": "loader_search.team._masking",
+    "has_password": "loader_search.team._masking",
     # the host and study locks
     "host_lock": "loader_search.team._locks",
     "study_lock": "loader_search.team._locks",
@@ -63,6 +64,7 @@ __all__ = [
     "describe_driver_error",
     "gpu_count",
     "gpu_facts",
+    "has_password",
     "host_lock",
     "in_memory",
     "is_busy",
@@ -98,7 +100,7 @@ if TYPE_CHECKING:
     )
     from loader_search.team._lockfiles import check_lock_folder
     from loader_search.team._locks import LOCK_DIR_ENV, StudyLockTimeout, host_lock, study_lock
-    from loader_search.team._masking import mask_url, scrub_urls
+    from loader_search.team._masking import has_password, mask_url, scrub_urls
     from loader_search.team._storage import (
         DB_TIMEOUT_ENV,
         DEFAULT_STORAGE,

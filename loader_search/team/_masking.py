@@ -34,6 +34,18 @@ def _secrets(url: URL) -> list[str]:
     return [str(v) for v in values if v]
 
 
+def has_password(url: str) -> bool:
+    """Whether ``url`` holds a password that `mask_url` would hide: in ``user:pw@`` or a
+    query option such as ``?password=``. A URL with an unencoded ``@`` counts as one (what
+    it holds cannot be told apart), an unparsable one when its text looks like one."""
+    if authority_is_ambiguous(url):
+        return True
+    try:
+        return bool(_secrets(make_url(url)))
+    except Exception:
+        return scrub_urls(url) != url
+
+
 def mask_url(url: str) -> str:
     """The URL with any password (``user:pw@``, ``?password=``, ``?sslpassword=``...)
     replaced by ``***``; unparsable or ambiguous input is hidden whole."""
@@ -42,10 +54,17 @@ def mask_url(url: str) -> str:
     try:
         parsed = make_url(url)
         hidden = {k: "***" for k in parsed.query if _SECRET_KEY.search(k)}
-        shown = parsed.update_query_dict(hidden).render_as_string(hide_password=True)
-        return shown.replace("%2A%2A%2A", "***")
+        masked = parsed.update_query_dict(hidden)._replace(database=None)
+        head, sep, query = masked.render_as_string(hide_password=True).partition("?")
     except Exception:
         return "<unparsable storage URL>"
+    # SQLAlchemy percent-encodes the database part (``:memory:`` as ``%3Amemory%3A``, a
+    # path's spaces and accents): it holds no password, so it is shown as written, put back
+    # before the query (the first ``?``: a user name is encoded and a host holds none). Only
+    # ``%`` and ``?`` stay encoded, so the URL shown opens the same database.
+    database = "" if parsed.database is None else "/" + parsed.database
+    database = database.replace("%", "%25").replace("?", "%3F")
+    return head + database + sep + query.replace("%2A%2A%2A", "***")
 
 
 _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s]+@")

@@ -6,6 +6,7 @@ budget and the confirmation settings; and the config read back by a worker (`sto
 from __future__ import annotations
 
 import platform
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,7 +117,8 @@ def settle_budget(
     if n_trials is not None and n_trials < finished:
         raise UserError(
             f"--n-trials {n_trials} is below the {finished} trials study {name!r} already has;"
-            f" give at least {finished}, or use `loader-search best {name}` to see its results"
+            f" give at least {finished}, or use `loader-search best {shlex.quote(name)}` to see"
+            " its results"
         )
     if n_trials is not None:
         return n_trials, []
