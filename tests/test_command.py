@@ -266,7 +266,12 @@ def test_placeholders_render_as_ordinary_flags() -> None:
 
 @pytest.mark.parametrize(
     ("arg", "words"),
-    [("{batch}", "unknown placeholder {batch}"), ("{batch_size", "literal brace")],
+    [
+        ("{batch}", "unknown placeholder {batch}"),
+        ("{batch_size", "literal brace"),
+        ("{batch_size:>9}", "only a bare {batch_size}"),
+        ("--n={ranks!s}", "only a bare {ranks}"),
+    ],
 )
 def test_a_bad_placeholder_is_one_line_naming_it(arg: str, words: str) -> None:
     with pytest.raises(UserError, match=r"workload\.command") as caught:

@@ -5,7 +5,9 @@ the config's rules, each with real trials and a real SQLite file."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -135,8 +137,28 @@ def test_run_dash_dash_names_the_study_after_the_script(tmp_path: Path, sqlite_u
         (["python", "t.py"], "name = 'synthetic-images'", "", "workload.name"),
         ([], "", "", "workload.command"),
         ("python 't.py", "", "", "cannot be split"),
+        # Only bare names are placeholders: a format spec is rendered in this process
+        # (>400000000 is 400 MB of spaces), a conversion or an index breaks the value.
+        (["python", "t.py", "{batch_size:>400000000}"], "", "", "only a bare {batch_size}"),
+        (["python", "t.py", "{batch_size:d}"], "", "", "only a bare {batch_size}"),
+        (["python", "t.py", "{batch_size!r}"], "", "", "only a bare {batch_size}"),
+        (["python", "t.py", "{batch_size.real}"], "", "", "only a bare {batch_size}"),
+        (["python", "t.py", "{seed[0]}"], "", "", "only a bare {seed}"),
     ],
-    ids=["placeholder", "lr", "pattern", "train_loader", "name", "empty", "quotes"],
+    ids=[
+        "placeholder",
+        "lr",
+        "pattern",
+        "train_loader",
+        "name",
+        "empty",
+        "quotes",
+        "width",
+        "spec",
+        "conversion",
+        "attribute",
+        "index",
+    ],
 )
 def test_a_bad_command_config_is_one_line(
     tmp_path: Path, command: list[str] | str, extra: str, training: str, words: str
@@ -146,6 +168,61 @@ def test_a_bad_command_config_is_one_line(
     assert ran.returncode == 2
     message = ran.stderr.strip()
     assert words in message and "\n" not in message and "Traceback" not in message
+    assert not (tmp_path / "x.db").exists()  # refused before anything is stored
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("", 'workload.command = "": give the command'),
+        ("   ", 'workload.command = "   ": give the command'),
+        (["python", ""], 'workload.command = ["python", ""]: every word'),
+        ("python ''", "workload.command = \"python ''\": every word"),
+        (["python", "t.py", "{batch_size!r}"], 'workload.command argument "{batch_size!r}"'),
+        (["python", "t.py", "{batch}"], 'workload.command argument "{batch}"'),
+    ],
+    ids=["empty-string", "blank", "empty-word", "empty-quoted-word", "conversion", "unknown"],
+)
+def test_a_command_error_names_the_file_and_the_value_as_written(
+    tmp_path: Path, command: list[str] | str, shown: str
+) -> None:
+    from loader_search.study import load_config
+
+    config = _config(tmp_path, command)
+    with pytest.raises(UserError) as caught:
+        load_config(config)
+    message = str(caught.value)
+    assert message.startswith(f"{config}: {shown}"), message
+    assert "\n" not in message
+
+
+def test_a_pattern_error_names_the_file(tmp_path: Path) -> None:
+    from loader_search.study import load_config
+
+    config = _config(tmp_path, ["python", "t.py"], extra="val_loss_pattern = '('")
+    with pytest.raises(UserError) as caught:
+        load_config(config)
+    assert str(caught.value).startswith(f'{config}: workload.val_loss_pattern = "(": not a regex')
+
+
+@pytest.mark.timeout(120)
+def test_a_formatted_placeholder_after_dash_dash_fails_at_once(tmp_path: Path) -> None:
+    # The real CLI in its own process, its peak memory read from the kernel (wait4): a
+    # {batch_size:>400000000} rendered would hold 400 MB of spaces before the start failed.
+    (tmp_path / "x.py").write_text("print('trained')\n")
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    argv = [sys.executable, "-m", "loader_search", "run", "--storage", url, "--"]
+    argv += [sys.executable, "x.py", "--bs", "{batch_size:>400000000}"]
+    with (tmp_path / "err").open("w+") as err:
+        child = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        message = err.read().strip()
+    assert child.returncode == 2, message
+    assert "the command after --" in message and "only a bare {batch_size}" in message
+    assert "\n" not in message and "Traceback" not in message
+    assert usage.ru_maxrss < 300_000, usage.ru_maxrss  # KiB: far below the 400 MB string
     assert not (tmp_path / "x.db").exists()  # refused before anything is stored
 
 
@@ -183,6 +260,10 @@ def test_the_recommended_command_line_has_the_studys_values() -> None:
     line = command_line(stored, training, LoaderParams(batch_size=256))
     assert line == "torchrun --nproc-per-node 2 t.py --lr 0.2"  # sqrt scaling: 0.1 x 2
     assert command_line({"command": 5}, training, LoaderParams(batch_size=64)) is None
+    # A stored command that no config reader checked (the database is written by other
+    # hands): a format spec is not rendered (400 MB of spaces), the line is left out.
+    wide = {"command": ["python", "t.py", "--bs", "{batch_size:>400000000}"]}
+    assert command_line(wide, training, LoaderParams(batch_size=64)) is None
 
 
 def test_one_executable_word_is_a_command_and_any_other_a_config_file(tmp_path: Path) -> None:

@@ -167,6 +167,33 @@ def test_ranks_are_a_whole_number_or_auto() -> None:
             TrainingSettings(ranks=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["affinity", "cpus-option"])
+def test_more_ranks_than_the_machines_cpus_are_refused_before_anything_is_stored(
+    tmp_path: Path, pinned: bool
+) -> None:
+    # One rank a CPU at most: a stored or mistyped ranks = 1024 must not fork 1,024 ranks
+    # nor reach a command's {ranks}. With --cpus the bound is the CPUs pinned to.
+    usable = 1 if pinned else len(os.sched_getaffinity(0))
+    ranks = usable + 1
+    config = tmp_path / "ranks.toml"
+    config.write_text(
+        "[study]\nname = 'too-many'\ntrials = 1\n"
+        "[workload]\ncommand = ['torchrun', '--nproc-per-node', '{ranks}', 'train.py']\n"
+        # A budget large enough for the ranks: the machine's bound is all that is wrong.
+        f"[training]\ndevice = 'cpu'\nranks = {ranks}\ntrain_samples = 65536\n"
+    )
+    storage = f"sqlite:///{tmp_path / 'ranks.db'}"
+    optuna.storages.RDBStorage(storage)  # a fresh file with the schema, and no study
+    pin = ["--cpus", str(min(os.sched_getaffinity(0)))] if pinned else []
+    ran = _cli("run", str(config), "--storage", storage, *pin, cwd=tmp_path)
+    message = ran.stderr.strip()
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert "\n" not in message and "Traceback" not in message
+    assert f"[training] ranks = {ranks}: this machine has {usable} usable CPU(s)" in message
+    assert f"set ranks to at most {usable}" in message
+    assert optuna.get_all_study_names(storage) == []
+
+
 def test_a_two_rank_study_runs_through_the_cli_and_recommends_per_rank(tmp_path: Path) -> None:
     plugin = Path(__file__).with_name("_datasets.py")
     config = tmp_path / "ranks.toml"

@@ -13,16 +13,20 @@ so that an ordinary ``type=int`` / ``type=float`` flag takes them:
   scaled to the trial's batch size by ``lr_scaling``.
 - ``{max_steps}`` is the budget in steps: ``train_samples / batch_size``, rounded up.
 
-``{{`` and ``}}`` stand for literal braces. Any other name in braces is an error.
+``{{`` and ``}}`` stand for literal braces. Any other name in braces is an error, and so is
+a placeholder with a format spec, a conversion, an attribute or an index (``{batch_size:>9}``,
+``{batch_size!r}``, ``{batch_size.real}``): only the bare name is filled in, since a spec like
+``>400000000`` would build a string of that many characters before the start fails.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import string
 from collections.abc import Mapping, Sequence
 
-from loader_search.errors import UserError
+from loader_search.errors import UserError, printable, shorten, show_value
 from loader_search.params import LoaderParams, TrainingSettings, scaled_lr
 
 PLACEHOLDERS = (
@@ -51,23 +55,45 @@ PREFETCH_WITHOUT_WORKERS = 2
 
 
 def placeholders_in(argv: Sequence[str]) -> set[str]:
-    """The placeholders ``argv`` uses; `UserError` naming an unknown one (or a broken brace)."""
+    """The placeholders ``argv`` uses; `UserError` naming an unknown one, one that is more
+    than a bare name, or a broken brace."""
     found: set[str] = set()
     for arg in argv:
         try:
-            fields = [name for _, name, _, _ in string.Formatter().parse(arg) if name is not None]
+            fields = [
+                (name, spec, conversion)
+                for _, name, spec, conversion in string.Formatter().parse(arg)
+                if name is not None
+            ]
         except ValueError as exc:
             raise UserError(
-                f"workload.command argument {arg!r}: {exc}; write a literal brace as {{{{ or }}}}"
+                f"workload.command argument {show_value(arg)}: {exc}; write a literal brace"
+                " as {{ or }}"
             ) from None
-        for name in fields:
-            if name not in PLACEHOLDERS:
-                raise UserError(
-                    f"workload.command argument {arg!r}: unknown placeholder {{{name}}}; use"
-                    f" one of {', '.join('{' + p + '}' for p in PLACEHOLDERS)}"
-                )
-            found.add(name)
+        for name, spec, conversion in fields:
+            found.add(_bare(arg, name, spec, conversion))
     return found
+
+
+def _bare(arg: str, name: str, spec: str | None, conversion: str | None) -> str:
+    """``name``, the placeholder of one field of ``arg``, if it is a bare one; else the
+    `UserError` naming it. Formatting stays out of a user's command: a spec is rendered in
+    this process (``{batch_size:>400000000}`` is 400 MB of spaces) and a conversion or an
+    index changes or breaks the value a flag receives."""
+    placeholder = re.split(r"[.\[]", name, maxsplit=1)[0]  # batch_size of batch_size.real
+    if placeholder not in PLACEHOLDERS:
+        raise UserError(
+            f"workload.command argument {show_value(arg)}: unknown placeholder"
+            f" {{{shorten(printable(name), 40)}}}; use one of"
+            f" {', '.join('{' + p + '}' for p in PLACEHOLDERS)}"
+        )
+    if placeholder != name or spec or conversion is not None:
+        raise UserError(
+            f"workload.command argument {show_value(arg)}: only a bare {{{placeholder}}} is"
+            f" filled in (no format spec, conversion, attribute or index); write"
+            f" {{{placeholder}}}, or {{{{ and }}}} for literal braces"
+        )
+    return placeholder
 
 
 def to_inject(argv: Sequence[str]) -> list[str]:

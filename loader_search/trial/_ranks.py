@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loader_search.errors import UserError
 from loader_search.trial._failures import (
     CRASHED,
     HOST_OOM,
@@ -348,6 +349,33 @@ def resolve_ranks(ranks: int | str, device: torch.device | str) -> int:
         cuda = torch.device(device).type == "cuda"
         return max(1, torch.cuda.device_count()) if cuda else 1
     return int(ranks)
+
+
+def check_ranks(ranks: int | str, device: torch.device | str) -> None:
+    """Refuse, in one line, more ranks than the machine where the trials run has room for:
+    one usable CPU each (this process's affinity, after any ``--cpus``), on CUDA too, where
+    ranks beyond the visible GPUs share them. The config's own rule
+    (`loader_search.params.MAX_RANKS`) is for any node; a value from a shared database or a
+    typo must not start a thousand ranks here, nor reach a command's ``{ranks}``."""
+    del device  # a rank is a process: the CPUs bound it on every device
+    if ranks == "auto":
+        return  # one per visible GPU, or 1: within the bound by construction
+    bound = _usable_cpu_count()
+    if int(ranks) > bound:
+        raise UserError(
+            f"[training] ranks = {int(ranks)}: this machine has {bound} usable CPU(s), one"
+            f" per rank; set ranks to at most {bound}, or run the study where there is room"
+            " for them"
+        )
+
+
+def _usable_cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask; all of them where the platform
+    has none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def per_rank_plan(plan: RunPlan, world: int) -> RunPlan:

@@ -30,6 +30,7 @@ from torch import nn
 
 from loader_search.errors import UserError
 from loader_search.params import TrainingSettings
+from loader_search.trial._ranks import check_ranks
 from loader_search.workloads import Workload
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,7 +121,9 @@ def checked_batch_size(value: object, most: int | None) -> int:
 
 
 def check_step_settings(settings: TrainingSettings, device: torch.device) -> None:
-    """Refuse, in one line, a precision or compilation the device or torch cannot run."""
+    """Refuse, in one line, a precision, compilation or number of ranks the device, torch or
+    the machine cannot run."""
+    check_ranks(settings.ranks, device)
     if settings.precision == "fp16" and device.type == "cpu":
         raise UserError(
             'training.precision = "fp16": fp16 autocast with gradient scaling needs a CUDA'

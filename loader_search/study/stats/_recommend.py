@@ -34,6 +34,7 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from loader_search._snippets import dataloader_snippet, node_totals
+from loader_search.errors import UserError
 from loader_search.params import STEP_KEYS, LoaderParams, Objective, TrainingSettings
 from loader_search.study._keys import (
     FINGERPRINT_ATTR,
@@ -379,7 +380,7 @@ def command_line(
         ranks = training.get("ranks", 1)
         filled["ranks"] = str(ranks) if isinstance(ranks, (int, str)) else "1"
         return shlex.join(render_command(argv, filled))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, UserError):  # UserError: a placeholder's
         return None
 
 

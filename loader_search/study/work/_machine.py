@@ -36,7 +36,8 @@ def this_machine(config: StudyConfig, machine: Machine) -> tuple[torch.device, H
     """Pin this process, then resolve its device and describe the hardware its trials use
     (in that order: pinning must precede any question to CUDA)."""
     device = resolve_device(_pin_this_process(machine.cpus, machine.gpu, config.device))
-    check_step_settings(config.training, device)  # fp16 on a CPU, bf16 where CUDA lacks it
+    # fp16 on a CPU, bf16 where CUDA lacks it, more ranks than GPUs (or CPUs on a CPU)
+    check_step_settings(config.training, device)
     check_lock_folder()  # trials will take the host lock there: refuse a bad one now
     check_timings_file()  # and append their timings here, if asked to
     gpus = 1 if machine.gpu is not None else None
