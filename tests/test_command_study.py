@@ -244,9 +244,13 @@ def test_a_worker_runs_a_stored_command_only_when_named(tmp_path: Path, sqlite_u
     assert "--allow-command" in refused.stderr and "\n" not in refused.stderr.strip()
     other = invoke("worker", "study", "--storage", sqlite_url, "--allow-command", "python x.py")
     assert other.returncode == 2
+    allow = ["--allow-command", shlex.join(FLAGS)]
+    elsewhere = invoke("worker", "study", "--storage", sqlite_url, *allow)
+    assert elsewhere.returncode == 2 and "--workdir" in elsewhere.stderr  # its folder is its own
     allowed = run_cli(
-        "worker", "study", "--storage", sqlite_url, "--allow-command", shlex.join(FLAGS)
-    )
+        "worker", "study", "--storage", sqlite_url, "--allow-command", shlex.join(FLAGS),
+        "--workdir", str(EXAMPLES),
+    )  # fmt: skip
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     assert "1 complete" in allowed.stdout
 

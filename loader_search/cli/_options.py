@@ -70,6 +70,37 @@ CpusOption = Annotated[
         show_default=False,
     ),
 ]
+# What a worker's operator says of a command taken from the database (besides its words):
+# the stored values must match these (loader_search.study.config.trusted_command).
+_OWN = "A command from the database runs only with this worker's own"
+WorkdirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--workdir",
+        help=f"{_OWN} folder: this one. Default: the folder the worker runs in.",
+        show_default=False,
+    ),
+]
+ValLossPatternOption = Annotated[
+    str | None,
+    typer.Option(
+        "--val-loss-pattern",
+        help=f"{_OWN} val_loss_pattern: this regular expression (its first group the loss).",
+        show_default=False,
+    ),
+]
+TrainLoaderOption = Annotated[
+    int | None,
+    typer.Option(
+        "--train-loader",
+        help=f"{_OWN} train_loader: the N-th DataLoader the script builds trains.",
+        show_default=False,
+    ),
+]
+RanksOption = Annotated[
+    str,
+    typer.Option("--ranks", help=f"{_OWN} [training] ranks: N or auto."),
+]
 GpuOption = Annotated[
     int | None,
     typer.Option("--gpu", help="Pin this process's trials to this GPU index.", show_default=False),

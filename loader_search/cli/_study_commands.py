@@ -17,8 +17,12 @@ from loader_search.cli._options import (
     CpusOption,
     GpuOption,
     MixedOption,
+    RanksOption,
     StorageOption,
     StudyNameOption,
+    TrainLoaderOption,
+    ValLossPatternOption,
+    WorkdirOption,
     parse_cpus,
 )
 from loader_search.cli._summary import print_summary
@@ -173,6 +177,10 @@ def worker(
             show_default=False,
         ),
     ] = None,
+    workdir: WorkdirOption = None,
+    val_loss_pattern: ValLossPatternOption = None,
+    train_loader: TrainLoaderOption = None,
+    ranks: RanksOption = "1",
 ) -> None:
     """Join a study created by `run` (on this or another machine) and run its trials.
 
@@ -183,10 +191,18 @@ def worker(
 
     Whoever can write to the database chooses the study's workload, so a worker runs a
     plug-in (code) only if this machine allows it with --allow-plugin, and a training
-    command only if --allow-command names it exactly.
+    command only if --allow-command names it exactly; it runs in the worker's own folder
+    (--workdir), with the worker's own --val-loss-pattern, --train-loader and --ranks: a
+    stored value that differs is refused.
     """
-    from loader_search.study import run_worker
+    from loader_search.study import OwnCommand, run_worker
 
+    own = OwnCommand(
+        str(workdir) if workdir is not None else None,
+        val_loss_pattern,
+        train_loader,
+        int(ranks) if ranks.isdecimal() else ranks,
+    )
     with live_progress(interruptible=True) as reporter:
         summary = run_worker(
             study,
@@ -199,5 +215,6 @@ def worker(
             allow_mixed_hardware=allow_mixed_hardware,
             allow_plugins=tuple(allow_plugin or ()),
             allow_commands=tuple(allow_command or ()),
+            own_command=own,
         )
     print_summary(summary)

@@ -20,6 +20,7 @@ _EXPORTS = {
     "run_study": "loader_search.study._session",
     "init_study": "loader_search.study._session",
     "run_worker": "loader_search.study._session",
+    "OwnCommand": "loader_search.study.config._command_config",
     "create_session": "loader_search.study._session",
     "join_session": "loader_search.study._session",
     "check_budget": "loader_search.study._session",
@@ -154,6 +155,7 @@ __all__ = [
     "LineReporter",
     "NoiseScale",
     "NullReporter",
+    "OwnCommand",
     "PipelineView",
     "Points",
     "Recommendation",
@@ -268,7 +270,13 @@ if TYPE_CHECKING:
         run_study,
         run_worker,
     )
-    from loader_search.study.config import SamplerConfig, StudyConfig, command_config, load_config
+    from loader_search.study.config import (
+        OwnCommand,
+        SamplerConfig,
+        StudyConfig,
+        command_config,
+        load_config,
+    )
     from loader_search.study.search import (
         SHM_FIX,
         Bottleneck,

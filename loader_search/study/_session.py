@@ -27,13 +27,14 @@ from loader_search.study._keys import study_budget, study_tolerance
 from loader_search.study._note import write_note
 from loader_search.study._open import make_sampler, open_existing_study, open_study, seed_offset_of
 from loader_search.study.config import (
+    OwnCommand,
     StudyConfig,
-    check_command_allowed,
     describe,
     fingerprint,
     settle_budget,
     store_settings,
     stored_config,
+    trusted_config,
 )
 from loader_search.study.search import ResolvedSpace
 from loader_search.study.stats import StudySummary, hardware_classes, summarize
@@ -190,6 +191,7 @@ def run_worker(
     allow_mixed_hardware: bool = False,
     allow_plugins: Sequence[str] = (),
     allow_commands: Sequence[str] = (),
+    own_command: OwnCommand | None = None,
     quiet: bool = False,
 ) -> StudySummary:
     """Join an existing study and run its trials until its budget (shared by every worker)
@@ -203,13 +205,11 @@ def run_worker(
     first trial is refused unless ``allow_mixed_hardware``.
 
     The database is a team resource, and this machine may not trust everyone who can write
-    to it: a workload taken from the study must be a built-in one or a plug-in this machine
-    allows (``allow_plugins``, or ``$LOADER_SEARCH_ALLOW_PLUGINS``), checked before anything
-    is imported; a command, one this machine names exactly (``allow_commands``, or
-    ``$LOADER_SEARCH_ALLOW_COMMANDS``). A ``config`` or ``workload`` passed here is this
-    caller's own and trusted.
-
-    Progress is printed as `run_study` prints it (``quiet``, ``reporter``).
+    to it: a workload taken from the study must be a built-in or a plug-in this machine
+    allows (``allow_plugins``, ``$LOADER_SEARCH_ALLOW_PLUGINS``), checked before any import;
+    a command, one it names exactly (``allow_commands``), run as this worker says
+    (``own_command``: see `trusted_command`). A ``config`` or ``workload`` passed here is
+    this caller's own and trusted. Progress is printed as `run_study` prints it.
     """
     check_n_trials(n_trials)
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
@@ -225,6 +225,7 @@ def run_worker(
             storage=storage,
             allow_plugins=allow_plugins,
             allow_commands=allow_commands,
+            own_command=own_command,
         )
         reporter.study_started(info)
         work(session, reporter, max_trials=n_trials, timeout_s=timeout_s)
@@ -306,24 +307,23 @@ def join_session(
     storage: str | None = None,
     allow_plugins: Sequence[str] = (),
     allow_commands: Sequence[str] = (),
+    own_command: OwnCommand | None = None,
 ) -> tuple[StudyInfo, Session]:
     """Join the existing study ``name`` (`worker`), and build what this worker needs to run
     its trials on ``machine`` (pinned, its device resolved, the space fitted to its /dev/shm).
 
     The study's stored budget and settings are used and left as they are, and its config is
-    the stored one unless ``config`` is given; a workload taken from the database must be one
-    this machine allows (``allow_plugins``, see `check_allowed`), checked before anything
-    imports it. ``workload`` (the Python API's, built in memory) is the caller's own and
-    trusted. The hardware class is checked before the workload is built.
+    the stored one unless ``config`` is given; a workload taken from the database must be
+    one this machine allows (see `run_worker`), checked before anything imports it. The
+    hardware class is checked before the workload is built.
     """
     url = resolve_storage_url(storage)
     reporter.preparing(f"opening storage {mask_url(url)}")
     existing = open_existing_study(name, url, on_busy=reporter.warning)
     if config is None:
         config = stored_config(existing.study)
-        if workload is None and config.command is not None:
-            # Others write this database: a command runs only if this machine names it.
-            check_command_allowed(config.command, allow_commands)
+        if workload is None and config.command is not None:  # others write this database
+            config = trusted_config(config, allow_commands, own_command)
         elif workload is None:
             # Others write this database: refuse a workload spec before importing it.
             check_allowed(config.workload, allow_plugins)

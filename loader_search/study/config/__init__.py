@@ -23,6 +23,8 @@ _EXPORTS = {
     # a command as the workload
     "CommandConfig": "loader_search.study.config._command_config",
     "check_command_allowed": "loader_search.study.config._command_config",
+    "trusted_command": "loader_search.study.config._command_config",
+    "OwnCommand": "loader_search.study.config._command_config",
     "ALLOW_COMMANDS_ENV": "loader_search.study.config._command_config",
     "COMMAND_WORKLOAD": "loader_search.study.config._command_config",
     # what a study stores for those who join it
@@ -31,6 +33,7 @@ _EXPORTS = {
     "settle_budget": "loader_search.study.config._stored",
     "store_settings": "loader_search.study.config._stored",
     "stored_config": "loader_search.study.config._stored",
+    "trusted_config": "loader_search.study.config._stored",
 }
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "CONFIRM_PROCESSES",
     "SAMPLERS",
     "CommandConfig",
+    "OwnCommand",
     "SamplerConfig",
     "StudyConfig",
     "check_command_allowed",
@@ -50,6 +54,8 @@ __all__ = [
     "settle_budget",
     "store_settings",
     "stored_config",
+    "trusted_command",
+    "trusted_config",
 ]
 
 if TYPE_CHECKING:
@@ -57,7 +63,9 @@ if TYPE_CHECKING:
         ALLOW_COMMANDS_ENV,
         COMMAND_WORKLOAD,
         CommandConfig,
+        OwnCommand,
         check_command_allowed,
+        trusted_command,
     )
     from loader_search.study.config._config import (
         CONFIRM_PROCESSES,
@@ -74,6 +82,7 @@ if TYPE_CHECKING:
         settle_budget,
         store_settings,
         stored_config,
+        trusted_config,
     )
 
 

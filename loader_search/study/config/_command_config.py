@@ -7,20 +7,22 @@ the training loader). How a trial runs it: `loader_search.trial.CommandSpec`.
 
 The shared database never chooses what a worker runs: a command comes from a config file on
 the worker's own disk, or from the study's stored config only when ``--allow-command`` (or
-``$LOADER_SEARCH_ALLOW_COMMANDS``) names it exactly (`check_command_allowed`).
+``$LOADER_SEARCH_ALLOW_COMMANDS``) names it exactly, and then runs in the worker's own folder
+with the worker's own pattern, training loader and ranks (`trusted_command`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from loader_search.errors import ConfigError, UserError, shorten
+import regex
+
+from loader_search.errors import ConfigError, UserError, shorten, show_value
 from loader_search.study.config._toml import Table
 from loader_search.trial import CommandSpec, placeholders_in
 
@@ -51,9 +53,9 @@ class CommandConfig:
             )
         placeholders_in(self.argv)  # an unknown one: one line naming it
         if self.val_loss_pattern is not None:
-            try:
-                groups = re.compile(self.val_loss_pattern).groups
-            except re.error as exc:
+            try:  # compiled as the trial compiles it (loader_search.trial._command)
+                groups = regex.compile(self.val_loss_pattern).groups
+            except (regex.error, RecursionError, OverflowError) as exc:
                 raise ConfigError(
                     "workload.val_loss_pattern", self.val_loss_pattern, f"not a regex: {exc}"
                 ) from None
@@ -130,11 +132,77 @@ def parse_command(table: Table) -> CommandConfig | None:
         argv = list(raw)
     else:
         raise table.error("command", raw, "use a list of strings, or one string")
-    return CommandConfig(
-        tuple(argv),
-        workdir=table.string("workdir", "."),
-        val_loss_pattern=table.string("val_loss_pattern", None),
-        train_loader=table.int("train_loader", None),
+    workdir = table.string("workdir", ".")
+    val_loss_pattern = table.string("val_loss_pattern", None)
+    train_loader = table.int("train_loader", None)
+    try:
+        return CommandConfig(tuple(argv), workdir, val_loss_pattern, train_loader)
+    except ConfigError as exc:
+        # The file's name in front, and the command as written: `command = ""` splits into
+        # no words, which would show as [].
+        value = raw if exc.key == "workload.command" else exc.value
+        raise table.error(exc.key.removeprefix("workload."), value, exc.problem) from None
+    except UserError as exc:  # a placeholder's: it names the argument
+        raise UserError(f"{table.source}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class OwnCommand:
+    """What a worker's operator says of a command taken from the database, besides its words
+    (``worker --workdir/--val-loss-pattern/--train-loader/--ranks``): everything else that
+    decides what runs. ``workdir`` None is the worker's own working folder."""
+
+    workdir: str | None = None
+    val_loss_pattern: str | None = None
+    train_loader: int | None = None
+    ranks: int | str = 1
+
+
+def trusted_command(
+    command: CommandConfig,
+    ranks: int | str,
+    allowed: Iterable[str] = (),
+    own: OwnCommand | None = None,
+) -> CommandConfig:
+    """The stored ``command`` (and ``[training] ranks``) as this worker runs it, or
+    `UserError` in one line: its words must be named by this machine's operator
+    (`check_command_allowed`), and everything else that decides what runs must be the
+    worker's own (``own``): the folder it runs in (a stored ``"."`` means the worker's), the
+    pattern matched against its output, the loader it trains with, its ranks. The command
+    returned runs in the worker's folder."""
+    check_command_allowed(command, allowed)
+    own = own or OwnCommand()
+    folder = Path(own.workdir or ".").absolute().resolve()
+    stored = (Path.cwd() / command.workdir).resolve()
+    if command.workdir != "." and stored != folder:
+        _differs("workdir", command.workdir, str(folder), "--workdir", command.workdir)
+    if command.val_loss_pattern != own.val_loss_pattern:
+        _differs(
+            "val_loss_pattern",
+            command.val_loss_pattern,
+            own.val_loss_pattern,
+            "--val-loss-pattern",
+            command.val_loss_pattern,
+        )
+    if command.train_loader != own.train_loader:
+        _differs(
+            "train_loader", command.train_loader, own.train_loader, "--train-loader",
+            command.train_loader,
+        )  # fmt: skip
+    if str(ranks) != str(own.ranks):
+        _differs("ranks", ranks, own.ranks, "--ranks", ranks, table="training")
+    return replace(command, workdir=str(folder))
+
+
+def _differs(
+    key: str, stored: object, mine: object, flag: str, fix: object, table: str = "workload"
+) -> None:
+    shown = "none" if mine is None else repr(mine)
+    to_pass = f"pass {flag} {shlex.quote(str(fix))}" if fix is not None else f"leave out {flag}"
+    raise UserError(
+        f"the study's stored {table}.{key} = {show_value(stored)} is not this worker's"
+        f" ({shown}): a worker runs a command from the database only as its own operator"
+        f" configured it; if you trust the stored value, {to_pass}"
     )
 
 

@@ -286,13 +286,12 @@ def load_config(path: str | Path) -> StudyConfig:
 def command_config(argv: Sequence[str]) -> StudyConfig:
     """The study of ``loader-search run -- COMMAND...``: the command, run in this process's
     folder, every other setting at its default, named after the script. Its document is
-    stored as a config file's would be, so that workers can join it."""
-    config = parse_config(
-        {"workload": {"command": list(argv), "workdir": os.getcwd()}},
-        source="the command after --",
-    )
+    stored as a config file's would be, so that workers can join it; its folder is stored as
+    ``"."``: each worker's own (`trusted_command`)."""
+    config = parse_config({"workload": {"command": list(argv)}}, source="the command after --")
     assert config.command is not None
-    return replace(config, name=config.command.script)
+    command = replace(config.command, workdir=os.getcwd())
+    return replace(config, name=config.command.script, command=command)
 
 
 # A study config is a page of TOML: anything far larger is not one (/dev/zero, a log).

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import platform
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import optuna
@@ -30,6 +31,7 @@ from loader_search.study._keys import (
     WORKLOAD_DESCRIPTION_ATTR,
     study_budget,
 )
+from loader_search.study.config._command_config import OwnCommand, trusted_command
 from loader_search.study.config._config import StudyConfig, parse_config
 from loader_search.workloads import Workload
 
@@ -170,6 +172,16 @@ def store_settings(
         },
     )
     return notes
+
+
+def trusted_config(
+    config: StudyConfig, allowed: Sequence[str] = (), own: OwnCommand | None = None
+) -> StudyConfig:
+    """``config`` read from the database, its command as this worker runs it: named by this
+    machine, in its folder, with its own pattern, loader and ranks (`trusted_command`)."""
+    assert config.command is not None
+    command = trusted_command(config.command, config.training.ranks, allowed, own)
+    return replace(config, command=command)
 
 
 def stored_config(study: optuna.Study) -> StudyConfig:
