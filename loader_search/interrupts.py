@@ -30,6 +30,7 @@ _deferred = False  # the main thread is in the trial loop
 
 
 _received: list[int] = []  # the signals that asked to stop, not yet told in an exit code
+_interrupted: list[int] = []  # the trials a stop ended, recorded as interrupted, not yet told
 
 
 _RECHECK_S = 0.05  # how often a stop request that came inside an import looks again
@@ -79,6 +80,20 @@ def exit_code() -> int:
     number = _received[0] if _received else signal.SIGINT
     _received.clear()
     return 128 + number
+
+
+def trial_interrupted(number: int) -> None:
+    """Remember that trial ``number``, running when the stop came, is recorded as
+    interrupted: the command's last line names it (`interrupted_trials`)."""
+    _interrupted.append(number)
+
+
+def interrupted_trials() -> list[int]:
+    """The trials a stop ended and recorded as interrupted (`trial_interrupted`); forgotten
+    once told, as the signal is by `exit_code`."""
+    told = list(_interrupted)
+    _interrupted.clear()
+    return told
 
 
 def pending_signal() -> str | None:

@@ -1,22 +1,26 @@
 """A trial that runs the user's own training command (`CommandSpec`), unchanged.
 
-The command is started in a process group of its own, never through a shell, in its working
-folder, with the trial's environment: this process's, without the database's URL or
-password, plus a start-up hook on ``PYTHONPATH`` (`loader_search.trial._hook`) that finds the
-script's training DataLoader, puts the trial's settings into it where the command has no
-placeholder for them (`loader_search.trial._placeholders`), times its iteration in the script's
-own loop and ends it once the budget is used. The hook and this parent talk only through
+The command is started under a keeper (`loader_search.trial._keeper`: nothing it starts
+outlives the run, nor a worker killed outright), in a session of its own, never through a
+shell, in its working folder, with the trial's environment: this process's, without the
+database's URL or password, plus a start-up hook on ``PYTHONPATH``
+(`loader_search.trial._hook`) that finds the script's training DataLoader, puts the trial's
+settings into it where the command has no placeholder for them
+(`loader_search.trial._placeholders`), times its iteration in the script's own loop and ends
+it once the budget is used. The hook and this parent talk only through
 files in the trial's private folder (``settings.json`` in, one ``proc-PID.json`` per process of
 the command out).
 
 The parent watches as it watches a forked trial (`loader_search.trial._supervisor`): a
 no-progress limit (progress is samples the training loader delivered, or batches of any other
-loader: the validation), the memory limit, Ctrl-C. It stops the whole group (SIGTERM, then
-SIGKILL after a grace period) as soon as the trial has what it needs: every rank past its
-budget with a throughput window, and the validation loss the script reported after it
-(``loader_search.report(val_loss=...)`` or ``val_loss_pattern`` over its output) unless the
-plan needs throughput only. Every other end becomes a `TrialFailure` with the command's last
-lines of output.
+loader: the validation; past the budget, the same limit counts from the budget's end whatever
+arrives), the memory limit, Ctrl-C. Its output is read with each line cut short and the
+pattern's time on a line bounded (`loader_search.trial._command_output`). It stops the whole
+command (SIGTERM, then SIGKILL after a grace period) as soon as the trial has what it needs:
+every rank past its budget with a throughput window, and the validation loss the script
+reported after it (``loader_search.report(val_loss=...)`` or ``val_loss_pattern`` over its
+output) unless the plan needs throughput only. Every other end becomes a `TrialFailure` with
+the command's last lines of output.
 
 A plan that asks for the ceiling runs the command a second time, the hook in ``ceiling`` mode
 (`loader_search.trial._hookloop`: the script's step fed two batches from memory); the reading
@@ -28,31 +32,32 @@ mode.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+
+import regex
 
 from loader_search import interrupts
 from loader_search.params import TrialLimits
 from loader_search.trial._command_group import (
     STOP_GRACE_S,
-    remember,
-    stop_group,
-    stop_known,
+    finish,
+    start_error,
+    start_kept,
+    stop_kept,
     wait,
 )
+from loader_search.trial._command_output import MATCH_LIMIT_S, SLOW_MATCHES, Output
 from loader_search.trial._command_read import Seen, command_result, look
 from loader_search.trial._failures import (
     BUDGET_NOT_HONOURED,
@@ -69,6 +74,7 @@ from loader_search.trial._failures import (
     failure_for,
 )
 from loader_search.trial._job import CommandSpec, TrialJob
+from loader_search.trial._keeper import FOLDER_PREFIX, MARKER_ENV, remove_stale
 from loader_search.trial._placeholders import (
     placeholder_values,
     placeholders_in,
@@ -79,8 +85,7 @@ from loader_search.trial._processes import POLL_S, gib, tree_pss
 from loader_search.trial._result import TrialResult
 
 HOOK_DIR = Path(__file__).parent / "_hook"
-TRIAL_DIR_ENV = "LOADER_SEARCH_TRIAL_DIR"
-OUTPUT_LINES = 40  # the command's last lines kept with a failure
+TRIAL_DIR_ENV = MARKER_ENV  # also the marker every process of the trial inherits
 MEMORY_POLL_S = 0.5
 # Variables a command never inherits: the study's database and its password.
 _SECRET_VARS = ("LOADER_SEARCH_STORAGE", "PGPASSWORD", "MYSQL_PWD", "DATABASE_URL")
@@ -109,37 +114,21 @@ def _run_once(
     job: TrialJob, limits: TrialLimits, ranks: int, mode: str, started: float
 ) -> TrialOutcome:
     assert job.command is not None
-    folder = Path(tempfile.mkdtemp(prefix="loader-search-command-"))
-    try:
+    with trial_folder() as folder:
         return _Command(job, job.command, limits, folder, ranks, mode).run(started)
+
+
+@contextlib.contextmanager
+def trial_folder() -> Iterator[Path]:
+    """A run's private folder (settings in, the hook's files out; its path is the marker
+    every process of the run inherits), removed after the run. A worker killed outright left
+    its run's folder (and, where its keeper was killed too, processes): those go first."""
+    remove_stale(Path(tempfile.gettempdir()))
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
+    try:
+        yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-@dataclass
-class _Output:
-    """The command's output, read by a thread: its last lines, and the validation losses
-    ``pattern`` found in it with when they were printed (``time.time()``)."""
-
-    pattern: re.Pattern[str] | None
-    tail: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES)
-    )
-    losses: list[tuple[float, float]] = field(default_factory=list)
-
-    def read(self, stream: IO[bytes]) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.tail.append(line)
-            if self.pattern is not None:
-                found = self.pattern.search(line)
-                if found:
-                    with contextlib.suppress(ValueError, IndexError):
-                        self.losses.append((time.time(), float(found.group(1))))
-        stream.close()
-
-    def text(self) -> str:
-        return "\n".join(self.tail)
 
 
 class _Command:
@@ -166,42 +155,47 @@ class _Command:
         self.filled = placeholder_values(job.params, job.settings, ranks)
         self.peak_pss = 0
         self.began = time.time()
-        # Every process of the command seen so far (pid: start time): one that left the
-        # group and outlived its parent is still found and stopped.
-        self.known: dict[int, float] = {}
-        pattern = re.compile(spec.val_loss_pattern) if spec.val_loss_pattern else None
-        self.output = _Output(pattern)
+        pattern = regex.compile(spec.val_loss_pattern) if spec.val_loss_pattern else None
+        self.output = Output(pattern)
         self.seen = Seen()
 
     def run(self, started: float) -> TrialOutcome:
         argv = render_command(self.spec.argv, self.filled)
         self._write_settings()
+        out, into = os.pipe()
         try:
-            process = subprocess.Popen(
+            process = start_kept(
                 argv,
                 cwd=self.spec.workdir,
                 env=self._environment(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a group of its own: stopped whole, Ctrl-C ours only
+                folder=self.folder,
+                stdout=into,
+                cpus=self.job.cpus,
             )
         except OSError as exc:
-            why = failure_for(EXCEPTION, f"the command {argv[0]!r} could not start: {exc}")
+            os.close(out)
+            why = failure_for(
+                EXCEPTION,
+                f"the command's working folder {self.spec.workdir!r} cannot be used: {exc}",
+                hint="give [workload] workdir (or run the worker) in a folder that exists",
+            )
             return TrialOutcome(None, why, time.perf_counter() - started, 0.0)
-        if self.job.cpus is not None:
-            with contextlib.suppress(OSError):  # before its interpreter starts any thread
-                os.sched_setaffinity(process.pid, self.job.cpus)
-        reader = threading.Thread(target=self.output.read, args=(process.stdout,), daemon=True)
+        finally:
+            os.close(into)  # the command's processes hold it now: its end is theirs
+        done = threading.Event()
+        reader = threading.Thread(target=self.output.read, args=(out, done), daemon=True)
         reader.start()
         try:
             failure = self._watch(process)
         except BaseException:  # Ctrl-C above all: nothing of the command may be left
-            stop_group(process, grace_s=0.0)
+            stop_kept(process, grace_s=0.0)
             raise
         finally:
-            stop_known(self.known)
+            finish(process, self.folder)
+            done.set()
             reader.join(timeout=STOP_GRACE_S)
+            if not reader.is_alive():
+                os.close(out)
         return TrialOutcome(self.result, failure, time.perf_counter() - started, 0.0)
 
     def _write_settings(self) -> None:
@@ -246,7 +240,8 @@ class _Command:
         return env
 
     def _watch(self, process: subprocess.Popen[bytes]) -> TrialFailure | None:
-        """Watch the command until `_done` or a failure (returned)."""
+        """Watch the command (its keeper: ``process``) until `_done` or a failure
+        (returned)."""
         limits = self.limits
         last_progress = time.perf_counter()
         next_memory = last_progress
@@ -259,33 +254,36 @@ class _Command:
             if self.seen.progress != progress:
                 progress, last_progress = self.seen.progress, now
             if self.seen.hook_errors:  # the hook cannot do its part: no honest reading
-                stop_group(process, 0.0)
+                stop_kept(process, 0.0)
                 return failure_for(
                     NOT_APPLIED,
                     f"the loader-search hook failed in the command: {self.seen.hook_errors[0]}",
                     self.output.text(),
                 )
-            refused = self._not_applied()
+            refused = self._not_applied() or self._slow_pattern()
             if refused is not None:  # the trial would measure the script's own setting
-                stop_group(process, 0.0)
+                stop_kept(process, 0.0)
                 return refused
             if self._done():
-                stop_group(process, STOP_GRACE_S)
+                stop_kept(process, STOP_GRACE_S)
                 return None
-            if ended:
-                stop_group(process, 0.0)  # a grandchild left behind goes with the group
+            if ended:  # the keeper ends once nothing of the command is left
                 self._look()
-                return self._ended(process.returncode)
-            if now - last_progress > limits.trial_timeout_s:
-                stop_group(process, 0.0)
+                return self._start_failure() or self._ended(process.returncode)
+            reached = self.seen.budget_reached_at(self.seen.world)
+            # Past its budget a command has trial_timeout_s to report and end, however many
+            # batches another loader delivers meanwhile (a script that trains on for ever on a
+            # second loader).
+            late = reached is not None and time.time() - reached > limits.trial_timeout_s
+            if late or now - last_progress > limits.trial_timeout_s:
+                stop_kept(process, 0.0)
                 return self._silent(limits.trial_timeout_s)
             if now >= next_memory:
                 next_memory = now + MEMORY_POLL_S
-                used = tree_pss(process.pid)
-                remember(process.pid, self.known)
+                used = tree_pss(process.pid, include_root=False)  # the command's, not its keeper's
                 self.peak_pss = max(self.peak_pss, used)
                 if limits.memory_limit_bytes is not None and used > limits.memory_limit_bytes:
-                    stop_group(process, 0.0)
+                    stop_kept(process, 0.0)
                     return failure_for(
                         HOST_OOM,
                         f"the command used {gib(used)} of host memory (PSS of its process"
@@ -293,12 +291,39 @@ class _Command:
                         " stopped",
                     )
 
+    def _slow_pattern(self) -> TrialFailure | None:
+        """A failure once the val_loss_pattern ran out of time on `SLOW_MATCHES` lines: it
+        is no longer tried, so the loss would never be found."""
+        if self.output.slow_matches < SLOW_MATCHES:
+            return None
+        return failure_for(
+            NO_VAL_LOSS,
+            f"the val_loss_pattern {self.spec.val_loss_pattern!r} ran out of time"
+            f" ({MATCH_LIMIT_S:g} s) on {SLOW_MATCHES} lines of the command's output: it"
+            " backtracks without end",
+            self.output.text(),
+            hint=(
+                "write the pattern without nested repetition, e.g. 'val_loss[=:]\\s*([0-9.eE+-]+)'"
+            ),
+        )
+
+    def _start_failure(self) -> TrialFailure | None:
+        """The failure of a command whose program could not start (not found, a folder)."""
+        why = start_error(self.folder)
+        if why is None:
+            return None
+        return failure_for(
+            EXCEPTION, why, hint="fix the command's first word: it names the program to run"
+        )
+
     def _look(self) -> None:
         self.seen = look(self.folder)
 
     def _not_applied(self) -> TrialFailure | None:
         """A failure naming the trial's settings the training loader could not take (a
         batch_sampler fixes the batch size, torch refused one): never a silent no-op."""
+        if missing := self.seen.hook_missing(self.spec.argv, self.output.text(), final=False):
+            return missing  # the hook cannot load: no setting can apply
         for proc in self.seen.procs:
             for loader in proc.get("loaders", []):
                 skipped = {
@@ -344,8 +369,8 @@ class _Command:
         return True
 
     def _ended(self, returncode: int | None) -> TrialFailure:
-        """Why a command that ended by itself gave no result."""
-        tail = self.output.text()
+        """Why a command that ended by itself gave no result (a rank's own error first)."""
+        line, tail = self.seen.error_tail(self.output.text())
         if returncode is not None and returncode != 0:
             if any(text in tail for text in _CUDA_OOM_TEXT):
                 return failure_for(CUDA_OOM, "the command ran out of GPU memory", tail)
@@ -358,7 +383,7 @@ class _Command:
             if "MemoryError" in tail:
                 return failure_for(HOST_OOM, "the command ran out of host memory", tail)
             return failure_for(
-                EXCEPTION, f"the command exited with status {returncode}: {_last(tail)}", tail
+                EXCEPTION, f"the command exited with status {returncode}: {line}", tail
             )
         return self._short(tail)
 
@@ -369,12 +394,7 @@ class _Command:
                 NOT_APPLIED, f"the loader-search hook failed: {self.seen.hook_errors[0]}", tail
             )
         if not self.seen.trainers:
-            return failure_for(
-                NOT_APPLIED,
-                f"the command ended without iterating a training DataLoader (loaders seen:"
-                f" {self.seen.loaders_seen()})",
-                tail,
-            )
+            return self.seen.no_trainer(self.spec.argv, tail)
         if self.seen.budget_reached_at(self.seen.world) is None:
             samples, _ = self.seen.progress
             return failure_for(
@@ -397,6 +417,8 @@ class _Command:
     def _silent(self, timeout_s: float) -> TrialFailure:
         """Why a command that made no progress for ``timeout_s`` was stopped."""
         tail = self.output.text()
+        if missing := self.seen.hook_missing(self.spec.argv, tail, final=True):
+            return missing
         samples, _ = self.seen.progress
         if self.seen.budget_reached_at(self.seen.world) is not None:
             return failure_for(
@@ -411,8 +433,3 @@ class _Command:
             " command was stopped",
             tail,
         )
-
-
-def _last(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip()[:200] if lines else "(no output)"

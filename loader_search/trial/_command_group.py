@@ -1,37 +1,63 @@
-"""A command's process group, seen from the trial that started it: stopped whole (SIGTERM,
-then SIGKILL after a grace period), with every process that left the group and outlived its
-parent still found (each one seen while it ran is remembered by pid and start time)."""
+"""A run of the user's command, seen from the trial that started it: started under its keeper
+(`loader_search.trial._keeper`), stopped whole (SIGTERM, then SIGKILL after a grace period),
+and checked afterwards: no process that carries the trial's marker is left, whoever its
+parent became."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import signal
 import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-import psutil
+from loader_search.trial._keeper import OWNER_FILE, START_FAILED, STOP, STOP_NOW, end_marked
 
+KEEPER = Path(__file__).with_name("_keeper.py")
 STOP_GRACE_S = 5.0  # SIGTERM, then this long before SIGKILL
+_KEEPER_GRACE_S = 5.0  # a keeper told to stop ends within its grace plus this
 
 
-def remember(pid: int, known: dict[int, float]) -> None:
-    """Add ``pid``'s descendants to ``known`` (pid: start time)."""
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                known.setdefault(child.pid, child.create_time())
+def start_kept(
+    argv: Sequence[str],
+    *,
+    cwd: str,
+    env: Mapping[str, str],
+    folder: Path,
+    stdout: int,
+    cpus: Sequence[int] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` under a keeper (its handle is the keeper's process): in a session of its
+    own, never through a shell, in ``cwd``, with ``env``, its output and errors into
+    ``stdout``, pinned to ``cpus``. ``OSError`` when ``cwd`` is no folder."""
+    settings = {
+        "argv": list(argv),
+        "folder": str(folder),
+        "parent": os.getpid(),
+        "grace_s": STOP_GRACE_S,
+        "affinity": sorted(cpus) if cpus else None,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", str(KEEPER), json.dumps(settings)],
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a session of its own: a Ctrl-C at the terminal is ours only
+    )
 
 
-def stop_known(known: dict[int, float]) -> None:
-    """SIGKILL every process in ``known`` still alive (the same process: its start time)."""
-    left = []
-    for pid, created in known.items():
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            if proc.create_time() == created:
-                proc.kill()
-                left.append(proc)
-    psutil.wait_procs(left, timeout=STOP_GRACE_S)
+def start_error(folder: Path) -> str | None:
+    """Why the command could not start, as the keeper wrote it (None if it started)."""
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    error = owner.get("start_error") if isinstance(owner, dict) else None
+    return str(error) if error else None
 
 
 def wait(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -43,23 +69,27 @@ def wait(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
     return True
 
 
-def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """Stop the command's whole group and every descendant that left it: SIGTERM, then
-    SIGKILL after ``grace_s``; reap the command."""
-    try:
-        descendants = psutil.Process(process.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    pgid = process.pid  # its own group: started with start_new_session
-    if grace_s > 0:
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGTERM)
-        wait(process, grace_s)
+def stop_kept(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """Stop the command and everything it started: SIGTERM, then SIGKILL after ``grace_s``
+    (the keeper's own grace, `STOP_GRACE_S`, where ``grace_s`` > 0); reap the keeper. A keeper
+    that does not end in time is killed: the command dies with it (its parent-death signal),
+    and `finish` finds the rest by their marker."""
     with contextlib.suppress(OSError):
-        os.killpg(pgid, signal.SIGKILL)
-    for proc in descendants:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=STOP_GRACE_S)
-    psutil.wait_procs(descendants, timeout=STOP_GRACE_S)
+        process.send_signal(STOP if grace_s > 0 else STOP_NOW)
+    if not wait(process, (STOP_GRACE_S if grace_s > 0 else 0.0) + _KEEPER_GRACE_S):
+        with contextlib.suppress(OSError):
+            process.kill()
+        wait(process, _KEEPER_GRACE_S)
+
+
+def finish(process: subprocess.Popen[bytes], folder: Path) -> list[int]:
+    """The run's last step: its keeper stopped and reaped, and every process that still
+    carries the trial's marker killed; those pids (none, unless the keeper was killed)."""
+    if process.returncode is None:
+        stop_kept(process, 0.0)
+    return end_marked(folder)
+
+
+def started(returncode: int | None) -> bool:
+    """Whether a keeper that ended with ``returncode`` had started the command."""
+    return returncode != START_FAILED

@@ -1,19 +1,32 @@
 """What a command's trial folder says (`loader_search.trial._command`): the state files the
 hook writes in the command's processes (``proc-PID.json``, `loader_search.trial._hookstate`) and
 loader workers (``worker-PID.json``, `loader_search.trial._hookworker`), its error files, and
-the `TrialResult` they add up to."""
+the `TrialResult` they add up to, or why they add up to none."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loader_search.trial._command_text import (
+    ELASTIC,
+    NO_HOOK_HINT,
+    NOTHING_SEEN,
+    interpreter_flag,
+    last_error,
+    no_hook,
+)
+from loader_search.trial._failures import NOT_APPLIED, TrialFailure, failure_for
 from loader_search.trial._job import TrialJob
 from loader_search.trial._result import TrialResult
+
+# What a study keeps of a failure's traceback (its end): a rank's own lines must fit in it.
+TRACE_CHARS = 4000
 
 
 @dataclass
@@ -64,6 +77,61 @@ class Seen:
             for loader in p.get("loaders", [])
         ]
         return ", ".join(sites) if sites else "none"
+
+    def hook_missing(
+        self, argv: Sequence[str], output: str, *, final: bool
+    ) -> TrialFailure | None:
+        """The failure of a command ``argv`` the hook did not load in, where that is known:
+        no process of it loaded the hook, and its interpreter runs with a flag that keeps the
+        hook out, or (the command over: ``final``) a process wrote without it."""
+        if any(p.get("hooked") for p in self.procs):
+            return None
+        flag = interpreter_flag(argv)
+        if flag is None and not (final and self.procs):
+            return None
+        return failure_for(NOT_APPLIED, no_hook(flag), output, hint=NO_HOOK_HINT)
+
+    def no_trainer(self, argv: Sequence[str], output: str) -> TrialFailure:
+        """Why the command ``argv``, over, gave no training loader to measure."""
+        missing = self.hook_missing(argv, output, final=True)
+        if missing is not None:
+            return missing
+        if not self.procs:  # no process wrote a thing: none built a loader, or none could
+            return failure_for(NOT_APPLIED, NOTHING_SEEN, output)
+        return failure_for(
+            NOT_APPLIED,
+            "the command ended without iterating a training DataLoader (loaders seen:"
+            f" {self.loaders_seen()})",
+            output,
+        )
+
+    def error_tail(self, output: str) -> tuple[str, str]:
+        """What a command that exited with an error says: the line naming its error, and the
+        failure's traceback. Where the command's last ``output`` lost the traceback of the
+        first exception a process of it ended in (the hook's record; torchrun's own is none),
+        as torchrun's banner and rank prefixes make it, that traceback leads: its last line
+        names the error (the rank's, with ranks), its lines come first, then as much of the
+        ``output`` as fits beside them in `TRACE_CHARS`. Else the error is read from the
+        ``output`` (`last_error`)."""
+        errors = [
+            (float(error.get("at") or 0.0), proc, str(error.get("traceback") or ""))
+            for proc in self.procs
+            if isinstance(error := proc.get("error"), dict)
+            and not str(error.get("type", "")).startswith(ELASTIC)
+        ]
+        if not errors:
+            return last_error(output), output
+        _, proc, trace = min(errors, key=lambda found: found[0])
+        if not trace.strip() or trace in output:  # a plain script's, printed whole
+            return last_error(output), output
+        line = last_error(trace.splitlines()[-1])
+        if int(proc.get("world_size") or 1) > 1:
+            line = f"rank {proc.get('rank')}: {line}"
+        room = TRACE_CHARS - len(trace) - 1
+        kept = output[-room:] if room > 0 else ""
+        if len(kept) < len(output):
+            kept = kept.partition("\n")[2]  # whole lines only
+        return line, "\n".join(part for part in (trace, kept) if part)
 
 
 def look(folder: Path) -> Seen:

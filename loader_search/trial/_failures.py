@@ -12,6 +12,7 @@ already loaded, which it is wherever a trial could have raised it.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import traceback
@@ -160,6 +161,20 @@ def failure_for(
         traceback=trace,
         infeasible=reason in INFEASIBLE_REASONS,
     )
+
+
+def diverged_if_non_finite(outcome: TrialOutcome) -> TrialOutcome:
+    """``outcome`` with a validation loss that is not finite turned into a ``diverged`` failure.
+
+    A built-in workload raises `TrainingDiverged` itself; a command reports whatever its script
+    computed (``loader_search.report(val_loss=nan)``, a printed ``inf``). Neither value can rank
+    a setting: Optuna refuses nan, and inf would pass for a result and be recommended.
+    """
+    result = outcome.result
+    if result is None or result.val_loss is None or math.isfinite(result.val_loss):
+        return outcome
+    failure = failure_for(DIVERGED, f"the validation loss reported is {result.val_loss}")
+    return replace(outcome, result=None, failure=failure)
 
 
 class RankFailed(Exception):

@@ -8,9 +8,13 @@ script, which may call `loader_search.reports` outside a trial too.
 
 Each process writes ``<trial dir>/proc-<pid>.json`` (a temporary file, then ``os.replace``,
 so the service never reads half a file): at most every ``progress_interval_s`` from inside the
-user's loop, at once when the training budget is reached or a validation loss is reported, and
-at exit. A process that built, iterated and reported nothing (the torchrun launcher, a spawned
-loader worker) writes no file. The file holds ``pid``, ``rank``, ``world_size``,
+user's loop, at once when the training budget is reached, a validation loss is reported or the
+program ends in an uncaught exception, and at exit. A process that built, iterated, reported
+and raised nothing (the torchrun launcher, a spawned loader worker) writes no file. The file
+holds ``pid``, ``hooked`` (whether the hook loaded in the process: a process started without
+it still writes a loss it reports), ``error`` (the uncaught exception the program ended in:
+``at``, ``type`` and the ``traceback``'s last lines; a rank's own, which torchrun
+prints far above its banner), ``rank``, ``world_size``,
 ``local_rank`` (torch.distributed's once a group is up, else the environment's), ``loaders``
 (each: ``index``, ``site``, ``shuffle``, ``train``, ``iterable``, ``applied``,
 ``not_applied``, and the ``num_workers`` and ``batch_size`` the loader really uses),
@@ -25,6 +29,7 @@ loader workers' side in `loader_search.trial._hookworker`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -41,6 +46,7 @@ SETTINGS_FILE = "settings.json"
 
 # What a run of the command is for (see loader_search.trial._hookloop).
 MODES = ("train", "ceiling", "probe")
+ERROR_LINES = 15  # what is kept of the traceback of the exception a program ends in
 # The loader settings a trial may inject, in the order they are applied.
 INJECTABLE = ("batch_size", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
 
@@ -128,6 +134,8 @@ class ProcessState:
         # after the loop) the clock of a live snapshot would run on without samples.
         self.idle_window: dict[str, Any] | None = None
         self.touched = False  # a file is written only once there is something to say
+        self.hooked = False  # the hook's install made this state (not a report without it)
+        self.error: dict[str, Any] | None = None  # the uncaught exception the program ended in
         self._last_write = time.monotonic()
         self._errors: set[str] = set()
 
@@ -138,6 +146,20 @@ class ProcessState:
 
     def add_val_loss(self, value: float) -> None:
         self.val_losses.append([time.time(), value])
+        self.touched = True
+        self.write()
+
+    def record_uncaught(self, exc: BaseException) -> None:
+        """Keep the exception the program ends in (`watch_uncaught`), written at once."""
+        import traceback
+
+        lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        kind = type(exc)
+        self.error = {
+            "at": time.time(),
+            "type": f"{kind.__module__}.{kind.__qualname__}",
+            "traceback": "\n".join(lines.splitlines()[-ERROR_LINES:]),
+        }
         self.touched = True
         self.write()
 
@@ -168,6 +190,8 @@ class ProcessState:
         times = os.times()
         return {
             "pid": self.pid,
+            "hooked": self.hooked,
+            "error": self.error,
             "rank": rank,
             "world_size": world,
             "local_rank": local,
@@ -268,6 +292,21 @@ def write_error(folder: str, line: str) -> None:
             file.write(line.replace("\n", " ") + "\n")
     except OSError:
         pass  # nowhere to say it: the user's program goes on regardless
+
+
+def watch_uncaught(state: ProcessState) -> None:
+    """Record the exception the program ends in (`ProcessState.record_uncaught`) before
+    Python's own report of it, which still follows unchanged; a program that sets its own
+    ``sys.excepthook`` replaces this one."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if os.getpid() == state.pid:  # not in a process forked from this one
+            with contextlib.suppress(Exception):  # the hook never raises into the program
+                state.record_uncaught(exc)
+        previous(kind, exc, tb)
+
+    sys.excepthook = excepthook
 
 
 _STATE: ProcessState | None = None

@@ -57,7 +57,9 @@ def install() -> None:
     """Patch the DataLoader now if torch's loader module is loaded, else once it is."""
     from loader_search.trial._frameworks import FRAMEWORKS
 
-    _hookstate.install_state()
+    state = _hookstate.install_state()
+    state.hooked = True
+    _hookstate.watch_uncaught(state)
     for name, patcher in {TARGET: patch, **FRAMEWORKS}.items():
         module = sys.modules.get(name)
         if module is not None:
@@ -263,15 +265,23 @@ def _injected(
             skipped[name] = _UNBATCHED
         else:
             merged[name] = applied[name] = settings.value(name)
-    # Without workers torch refuses a prefetch factor and persistent workers, whoever set
-    # them: the trial's 0 workers must not turn the user's own values into an error (nor a
-    # {prefetch_factor} flag, which renders as 2 in a trial without workers).
+    # Without workers torch refuses a prefetch factor, persistent workers and a
+    # multiprocessing context, whoever set them: the trial's 0 workers must not turn the
+    # user's own values into an error (nor a {prefetch_factor} flag, which renders as 2 in a
+    # trial without workers). The script's own context is recorded (the first look says so).
+    context = merged.get("multiprocessing_context")
+    if context is not None:
+        record["multiprocessing_context"] = (
+            context if isinstance(context, str) else getattr(context, "_name", None) or "?"
+        )
     trial_has_none = settings.value("num_workers") == 0
     if not merged.get("num_workers"):
         for name, idle in (("prefetch_factor", None), ("persistent_workers", False)):
             ours = "num_workers" in applied or name in applied
             if name in known and (ours or (trial_has_none and merged.get(name) != idle)):
                 merged[name] = applied[name] = idle
+        if context is not None:  # it only says how workers start: none start
+            merged["multiprocessing_context"] = applied["multiprocessing_context"] = None
     _time_collate(merged)
     return merged
 

@@ -12,7 +12,9 @@ whether they split the stream (`loader_search.trial._hookworker`). What it finds
 * a loader that does not batch (``batch_size=None``): ``batch_size`` is not searched;
 * an `IterableDataset` whose workers never ask `get_worker_info` which part of the stream is
   theirs: each of N workers yields the whole stream, so ``num_workers`` is searched only up to
-  one (a worker of its own, or none).
+  one (a worker of its own, or none);
+* a ``multiprocessing_context`` of the script's own: searched as declared, but a trial without
+  workers runs without it (torch takes it only with workers), which the study says once.
 
 A setting a trial still cannot apply fails that trial as ``not_applied``, naming it: never a
 silent no-op.
@@ -20,16 +22,13 @@ silent no-op.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
-from loader_search.trial._command import _Command
+from loader_search.trial._command import _Command, trial_folder
 from loader_search.trial._failures import TrialFailure
 from loader_search.trial._job import CommandSpec, TrialJob
 
@@ -44,14 +43,16 @@ UNSHARDED = (
 class ScriptFacts:
     """What `probe_command` found. ``fixed``: each setting not searched, with why; the
     training loader's own ``batch_size`` where the script fixes it; ``max_workers`` where
-    workers beyond it would repeat the data; ``failure``: why the look found nothing (the
-    space stays as declared)."""
+    workers beyond it would repeat the data; ``context``: the start method the loader's own
+    ``multiprocessing_context`` names; ``failure``: why the look found nothing (the space
+    stays as declared)."""
 
     site: str | None = None
     fixed: Mapping[str, str] = field(default_factory=dict)
     batch_size: int | None = None
     max_workers: int | None = None
     failure: str | None = None
+    context: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +61,7 @@ class ScriptFacts:
             "batch_size": self.batch_size,
             "max_workers": self.max_workers,
             "failure": self.failure,
+            "context": self.context,
         }
 
     @classmethod
@@ -77,6 +79,7 @@ class ScriptFacts:
             batch_size=count(data.get("batch_size")),
             max_workers=count(data.get("max_workers")),
             failure=str(data["failure"]) if isinstance(data.get("failure"), str) else None,
+            context=str(data["context"]) if isinstance(data.get("context"), str) else None,
         )
 
 
@@ -84,7 +87,8 @@ class _Probe(_Command):
     """A run of the command in ``probe`` mode: done once the training loader is known."""
 
     def _not_applied(self) -> TrialFailure | None:
-        return None  # what cannot apply is what the probe is looking for
+        # What cannot apply is what the probe is looking for; a hook that cannot load is not.
+        return self.seen.hook_missing(self.spec.argv, self.output.text(), final=False)
 
     def _done(self) -> bool:
         loaders = self.seen.train_loaders()
@@ -118,13 +122,10 @@ def probe_command(
         prefetch_factor=2 if workers else None,
     )
     job = TrialJob(None, params, settings, device, command=spec)
-    folder = Path(tempfile.mkdtemp(prefix="loader-search-probe-"))
-    try:
+    with trial_folder() as folder:
         probe = _Probe(job, spec, limits, folder, ranks, mode="probe")
         outcome = probe.run(time.perf_counter())
         seen = probe.seen
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     loaders = seen.train_loaders()
     if not loaders:
         why = outcome.failure.message if outcome.failure else "no training DataLoader iterated"
@@ -151,9 +152,11 @@ def facts_of(loader: Mapping[str, Any], workers: list[dict[str, Any]]) -> Script
     ):
         fixed["num_workers"] = UNSHARDED
         max_workers = 1
+    context = loader.get("multiprocessing_context")
     return ScriptFacts(
         site=str(loader.get("site")) if loader.get("site") else None,
         fixed=fixed,
         batch_size=batch_size,
         max_workers=max_workers,
+        context=str(context) if context else None,
     )

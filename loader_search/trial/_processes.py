@@ -216,13 +216,14 @@ def _strsignal(number: int) -> str:
         return f"signal {number}"
 
 
-def tree_pss(pid: int) -> int:
-    """Proportional set size of ``pid`` and its descendants: pages shared between them (the
-    parent's, inherited on fork; shared-memory batches) count once, split between mappers."""
+def tree_pss(pid: int, include_root: bool = True) -> int:
+    """Proportional set size of ``pid`` (unless not ``include_root``) and its descendants:
+    pages shared between them (the parent's, inherited on fork; shared-memory batches) count
+    once, split between mappers."""
     total = 0
     try:
         root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
+        processes = [root, *root.children(recursive=True)][0 if include_root else 1 :]
     except psutil.Error:
         return 0
     for proc in processes:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
+from loader_search import interrupts
 from loader_search.study._keys import (
     CEILING_FROM,
     CONSTRAINT,
@@ -156,10 +157,12 @@ def _record(
 def record_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
     """Ctrl-C: the trial gave no result and is not left RUNNING. Best effort (10 s): with
     the database down, the user's Ctrl-C still ends the process, and a sweeper fails the
-    trial later."""
+    trial later. Once recorded, the command's last line says so
+    (`loader_search.interrupts.interrupted_trials`)."""
     with contextlib.suppress(Exception):
         retrying(lambda: trial.set_user_attr(FAILURE_REASON, INTERRUPTED), deadline_s=10)
         tell(study, trial, TrialState.FAIL, None, 10)
+        interrupts.trial_interrupted(trial.number)
 
 
 def _set_constraint(

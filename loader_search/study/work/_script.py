@@ -72,6 +72,11 @@ def narrow(
             f"num_workers is searched up to {high} only: {facts.fixed.get('num_workers')}{where};"
             " split it by worker to search more (docs/scripts.md)"
         )
+    if facts.context:  # the baseline has no workers, whatever the space
+        notes.append(
+            f"the script's multiprocessing_context={facts.context!r}{where} is left out of"
+            " trials with num_workers = 0: torch takes it only with loader workers"
+        )
     if facts.failure:
         notes.append(
             f"a first look at the command found no training loader ({facts.failure});"
