@@ -209,20 +209,26 @@ def test_a_pattern_error_names_the_file(tmp_path: Path) -> None:
 def test_a_formatted_placeholder_after_dash_dash_fails_at_once(tmp_path: Path) -> None:
     # The real CLI in its own process, its peak memory read from the kernel (wait4): a
     # {batch_size:>400000000} rendered would hold 400 MB of spaces before the start failed.
+    # Beside it, the same refusal of a spec that allocates nothing: the imports' own peak.
     (tmp_path / "x.py").write_text("print('trained')\n")
     url = f"sqlite:///{tmp_path / 'x.db'}"
-    argv = [sys.executable, "-m", "loader_search", "run", "--storage", url, "--"]
-    argv += [sys.executable, "x.py", "--bs", "{batch_size:>400000000}"]
-    with (tmp_path / "err").open("w+") as err:
-        child = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        message = err.read().strip()
-    assert child.returncode == 2, message
+
+    def refused(spec: str) -> tuple[str, int]:
+        argv = [sys.executable, "-m", "loader_search", "run", "--storage", url, "--"]
+        argv += [sys.executable, "x.py", "--bs", spec]
+        with (tmp_path / "err").open("w+") as err:
+            child = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
+            _, status, usage = os.wait4(child.pid, 0)
+            err.seek(0)
+            message = err.read().strip()
+        assert os.waitstatus_to_exitcode(status) == 2, message
+        return message, usage.ru_maxrss
+
+    message, peak = refused("{batch_size:>400000000}")
+    _, imports = refused("{batch_size:d}")
     assert "the command after --" in message and "only a bare {batch_size}" in message
     assert "\n" not in message and "Traceback" not in message
-    assert usage.ru_maxrss < 300_000, usage.ru_maxrss  # KiB: far below the 400 MB string
+    assert peak < imports + 100_000, (peak, imports)  # KiB: far below the 400 MB string
     assert not (tmp_path / "x.db").exists()  # refused before anything is stored
 
 
