@@ -71,6 +71,7 @@ from loader_search.trial._failures import (
     TIMEOUT,
     TrialFailure,
     TrialOutcome,
+    diverged_if_non_finite,
     failure_for,
 )
 from loader_search.trial._job import CommandSpec, TrialJob
@@ -96,7 +97,8 @@ def run_command(job: TrialJob, limits: TrialLimits, ranks: int = 1) -> TrialOutc
     """Run the trial ``job.command`` describes and classify its end (see the module)."""
     assert job.command is not None
     started = time.perf_counter()
-    outcome = _run_once(job, limits, ranks, "train", started)
+    # A nan or inf loss is diverged before any ceiling run is spent on it.
+    outcome = diverged_if_non_finite(_run_once(job, limits, ranks, "train", started))
     if outcome.result is None or not job.plan.measure_ceiling:
         return outcome
     # The ceiling: the script again, its step fed from memory (loader_search.trial._hookloop).

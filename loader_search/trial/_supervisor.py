@@ -58,7 +58,6 @@ from loader_search.trial._failures import (
     TrialOutcome,
     classify_exception,
     classify_exit,
-    diverged_if_non_finite,
     failure_for,
 )
 from loader_search.trial._fresh import FreshHost, children_gone
@@ -131,8 +130,7 @@ def run_isolated(
         from loader_search.trial._command import run_command
         from loader_search.trial._ranks import resolve_ranks
 
-        outcome = run_command(job, limits, resolve_ranks(job.settings.ranks, job.device))
-        return diverged_if_non_finite(outcome)  # its script's nan or inf: diverged
+        return run_command(job, limits, resolve_ranks(job.settings.ranks, job.device))
     if not can_isolate():
         if job.gpu is not None:
             job = dataclasses.replace(job, device=f"cuda:{job.gpu}")
