@@ -206,10 +206,10 @@ def test_a_second_loader_after_the_budget_does_not_keep_the_trial_alive(
     outcome = _run(
         _job(tmp_path, [sys.executable, str(script), "--report", "none"], train_samples=256),
         private_tmp,
-        3,
+        10,  # above a loaded machine's start of torch: the limit past the budget is tested
     )
     assert outcome.failure is not None and outcome.failure.reason == BUDGET_NOT_HONOURED
-    assert time.perf_counter() - started < 40
+    assert time.perf_counter() - started < 60
 
 
 # Backtracks without end in a backtracking engine on a line of a's: the worker's reader must

@@ -60,6 +60,11 @@ def _validate_after_fit(cls: Any) -> None:
     def fit(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         result = original_fit(self, model, *args, **kwargs)
         state = _hookstate.current()
+        if state is not None:  # fit is over: so is the budget's last step, if still open
+            try:
+                state.budget_step_over()
+            except Exception as exc:  # never into the user's program
+                state.record_error("measuring the training loop", exc)
         if state is None or not state.budget_reached or _reported_since(state):
             return result
         try:

@@ -24,6 +24,8 @@ The workers' own costs are in their files.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -63,6 +65,12 @@ class TrainRun:
             None if total is None or self.mode != "train" else rank_share(total, world_size())
         )
         self.pending: int | None = None  # samples of the batch whose step is running
+        self.pending_from = 0  # the iterator (`TrainIter.serial`) that delivered that batch
+        self.iterators = 0  # the iterators made so far: each one's serial
+        # When the batch that reached the budget was delivered: the budget is used then, its
+        # step (the window's last) ends later (`close_at_budget`).
+        self.reached_at: float | None = None
+        state.close_at_budget = self.close_at_budget
         self.started = False
         self._size_failed = False
         self._batch_size = default_batch_size
@@ -120,9 +128,11 @@ class TrainRun:
             meter.step(0, exclude=float("inf"))
 
     def close_step(self) -> None:
-        if self.pending is not None:
-            self.meter.step(self.pending)
-            self.pending = None
+        # Taken before the step is counted: a dropped iterator's `dropped`, run by the
+        # garbage collector inside it, finds no step left to close twice.
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.meter.step(pending)
 
     def before_next(self) -> bool:
         """Close the previous batch's step; True where the budget stops the iteration."""
@@ -132,10 +142,24 @@ class TrainRun:
         state = self.state
         if not state.budget_reached:
             state.budget_reached = True
-            state.budget_reached_at = time.time()
+            state.budget_reached_at = self.reached_at or time.time()
             state.final_window = state.window()
             state.write()
         return True
+
+    def close_at_budget(self) -> None:
+        """The training loop is over (another loader's batch, a reported loss, the exit):
+        where the batch that reached the budget still has its step open, as a script that
+        stops itself there leaves it, the step ends now, and the window with it."""
+        if self.pending is not None and self.reached_at is not None:
+            self.before_next()
+
+    def dropped(self, serial: int) -> None:
+        """The iterator ``serial`` was dropped (a ``break`` out of its loop, garbage
+        collection) with its last batch's step open: the step ends here, as at an epoch's
+        end (at the budget, the window too). A step of a later iterator is not its own."""
+        if self.pending is not None and self.pending_from == serial:
+            self.epoch_end()
 
     def epoch_end(self) -> None:
         """The underlying iterator ended (an epoch): the last batch's step ends here."""
@@ -143,12 +167,16 @@ class TrainRun:
             self.state.idle_window = None
             self.state.idle_window = self.state.window()
 
-    def delivered(self, batch: Any, next_cpu_s: float) -> None:
+    def delivered(self, batch: Any, next_cpu_s: float, serial: int) -> None:
         samples = self._size(batch)
         state = self.state
         state.samples += samples
         state.batches += 1
+        self.pending_from = serial
         self.pending = samples
+        if self.reached_at is None and self.share is not None and state.samples >= self.share:
+            # Used up now: a script that stops itself at its budget never asks again.
+            self.reached_at = time.time()
         if self.meter.in_window:
             self._costed(samples, next_cpu_s)
         state.maybe_write()
@@ -201,6 +229,19 @@ class TrainIter(_Wrapped):
     def __init__(self, iterator: Iterator[Any], run: TrainRun) -> None:
         self._it = iterator
         self._run = run
+        run.iterators += 1
+        self.serial = run.iterators
+
+    def __del__(self) -> None:
+        # A loop the script left with a ``break`` drops its iterator here (one in a cycle, at
+        # the next collection). Not a forked loader worker's copy, nor once the interpreter
+        # is going down: its exit (`ProcessState.at_exit`) wrote the last state, and what
+        # this module uses may be gone.
+        with contextlib.suppress(Exception):
+            run = self.__dict__.get("_run")
+            if run is None or sys.is_finalizing() or os.getpid() != run.state.pid:
+                return
+            _call(lambda: run.dropped(self.serial), run.state)
 
     def __next__(self) -> Any:
         run = self._run
@@ -226,7 +267,7 @@ class TrainIter(_Wrapped):
         cpu = time.thread_time() - cpu
         _call(run.meter.wait_end, run.state)
         try:
-            run.delivered(batch, cpu)
+            run.delivered(batch, cpu, self.serial)
         except Exception as exc:
             run.state.record_error("counting the training batches", exc)
         return batch
@@ -240,6 +281,7 @@ class TickIter(_Wrapped):
         self._state = state
 
     def __next__(self) -> Any:
+        _call(self._state.budget_step_over, self._state)
         batch = next(self._it)
         state = self._state
         try:

@@ -6,22 +6,22 @@ patches the DataLoader there and keeps its counts here. This module imports noth
 (no torch, no psutil at import time): `loader_search.trial._report` reaches it from the user's
 script, which may call `loader_search.reports` outside a trial too.
 
-Each process writes ``<trial dir>/proc-<pid>.json`` (a temporary file, then ``os.replace``,
-so the service never reads half a file): at most every ``progress_interval_s`` from inside the
-user's loop, at once when the training budget is reached, a validation loss is reported or the
-program ends in an uncaught exception, and at exit. A process that built, iterated, reported
-and raised nothing (the torchrun launcher, a spawned loader worker) writes no file. The file
-holds ``pid``, ``hooked`` (whether the hook loaded in the process: a process started without
-it still writes a loss it reports), ``error`` (the uncaught exception the program ended in:
-``at``, ``type`` and the ``traceback``'s last lines; a rank's own, which torchrun
-prints far above its banner), ``rank``, ``world_size``,
+Each process writes ``<trial dir>/proc-<pid>.json`` (a temporary file, then ``os.replace``, so
+the service never reads half a file): at most every ``progress_interval_s`` from inside the
+user's loop, at once when the training budget is reached (the step of the batch that reached it
+over), a validation loss is reported or the program ends in an uncaught exception, and at exit.
+A process that built, iterated, reported and raised nothing (the torchrun launcher, a spawned
+loader worker) writes no file. The file holds ``pid``, ``hooked`` (whether the hook loaded in
+the process: a process started without it still writes a loss it reports), ``error`` (the
+uncaught exception the program ended in: ``at``, ``type`` and the ``traceback``'s last lines; a
+rank's own, which torchrun prints far above its banner), ``rank``, ``world_size``,
 ``local_rank`` (torch.distributed's once a group is up, else the environment's), ``loaders``
-(each: ``index``, ``site``, ``shuffle``, ``train``, ``iterable``, ``applied``,
-``not_applied``, and the ``num_workers`` and ``batch_size`` the loader really uses),
-``samples`` and ``batches`` (of the training loader), ``ticks`` (batches of the others),
-``budget_reached``, ``budget_reached_at``, ``window`` (`window_dict`, or null before the
-warm-up ends), ``stages`` (the training process's stage costs over the window, see
-`loader_search.trial._hookloop`), ``peak_rss_bytes``, ``cpu_s`` and ``val_losses``
+(each: ``index``, ``site``, ``shuffle``, ``train``, ``iterable``, ``applied``, ``not_applied``,
+and the ``num_workers`` and ``batch_size`` the loader really uses), ``samples`` and ``batches``
+(of the training loader), ``ticks`` (batches of the others), ``budget_reached``,
+``budget_reached_at``, ``window`` (`window_dict`, or null before the warm-up ends), ``stages``
+(the training process's stage costs over the window, see `loader_search.trial._hookloop`),
+``peak_rss_bytes``, ``cpu_s`` and ``val_losses``
 (``[time, value]`` pairs). The measured iterators are in `loader_search.trial._hookloop`, the
 loader workers' side in `loader_search.trial._hookworker`.
 """
@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from loader_search.trial._measure import StepMeter
 
 ENV_DIR = "LOADER_SEARCH_TRIAL_DIR"
@@ -128,6 +130,10 @@ class ProcessState:
         self.budget_reached_at: float | None = None
         self.val_losses: list[list[float]] = []
         self.meter: StepMeter | None = None
+        # Ends the open step of the training batch that reached the budget
+        # (`loader_search.trial._hookloop.TrainRun.close_at_budget`), once something says the
+        # training loop is over: a script that stops itself at its budget asks no more.
+        self.close_at_budget: Callable[[], None] | None = None
         self.sync_device: bool = True  # whether a window snapshot synchronises the device
         self.final_window: dict[str, Any] | None = None  # the window closed at the budget
         # The window as an epoch of the training loader ended: between epochs (validation,
@@ -144,7 +150,17 @@ class ProcessState:
     def touch(self) -> None:
         self.touched = True
 
+    def budget_step_over(self) -> None:
+        """Another loader's batch, a reported loss or the exit: the training loop is over
+        (`close_at_budget`)."""
+        if self.close_at_budget is not None:
+            self.close_at_budget()
+
     def add_val_loss(self, value: float) -> None:
+        try:
+            self.budget_step_over()
+        except Exception as exc:
+            self.record_error("measuring the training loop", exc)
         self.val_losses.append([time.time(), value])
         self.touched = True
         self.write()
@@ -236,7 +252,13 @@ class ProcessState:
             self.sync_device = True
 
     def at_exit(self) -> None:
-        if self.touched and os.getpid() == self.pid:
+        if os.getpid() != self.pid:
+            return
+        try:
+            self.budget_step_over()  # writes the window it closes
+        except Exception as exc:
+            self.record_error("measuring the training loop", exc)
+        if self.touched:
             self.write()
 
 
