@@ -152,10 +152,12 @@ def test_a_script_without_flags_gets_the_settings_in_its_dataloader(tmp_path: Pa
     assert outcome.result is not None and outcome.result.val_loss is not None
 
 
-def test_the_validation_loss_can_come_from_the_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pattern", [r"val_loss=([-+0-9.eE]+)", None], ids=["own", "default"])
+def test_the_validation_loss_can_come_from_the_output(tmp_path: Path, pattern: str | None) -> None:
+    # Without a pattern, the default rule reads the script's "epoch 3 val_loss=0.693147".
     script = _script(tmp_path)
     argv = [sys.executable, str(script), "--report", "print"]
-    outcome = _run(_job(tmp_path, argv, pattern=r"val_loss=([-+0-9.eE]+)"))
+    outcome = _run(_job(tmp_path, argv, pattern=pattern))
     assert outcome.failure is None, outcome.failure
     assert outcome.result is not None and outcome.result.val_loss is not None
 

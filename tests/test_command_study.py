@@ -298,3 +298,77 @@ def test_a_literal_brace_lr_is_no_placeholder(tmp_path: Path) -> None:
     assert config.command is not None and "lr" not in config.command.placeholders
     with pytest.raises(UserError, match=r"training\.lr"):
         load_config(_config(tmp_path, ["python", "t.py", "--lr", "{lr}"], training=""))
+
+
+# A script that only prints its losses, as most do: the training loss on every step, then
+# the validation's as ``--says`` gives it (a fixed number, so that every trial's loss is
+# known). Its epoch loop ends at an epoch without batches: once the budget is used, the
+# hook's loader yields nothing.
+PRINTS = """
+import argparse
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--says", default="val_loss=0.2103")
+args = parser.parse_args()
+torch.manual_seed(0)
+x = torch.randn(512, 8)
+y = (x.sum(1) > 0).long()
+loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(1000):
+    steps = 0
+    for xb, yb in loader:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        steps += 1
+        print(f"epoch {epoch} step {steps} loss={loss.item():.4f} train_loss=0.9", flush=True)
+    print(f"Train Epoch: {epoch} Loss: 0.8", flush=True)
+    print(f"epoch {epoch} {args.says}", flush=True)
+    if steps == 0:
+        break
+"""
+
+
+@pytest.mark.slow  # a whole study of a command
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("options", "says", "loss"),
+    [
+        ([], "val_loss=0.2103", 0.2103),
+        # The own pattern replaces the rule: its val_loss= is not read.
+        (["--val-loss-pattern", r"VL ([0-9.]+)"], "val_loss=0.2103 VL 0.31", 0.31),
+    ],
+    ids=["printed", "own pattern"],
+)
+def test_run_dash_dash_reads_the_printed_validation_loss(
+    tmp_path: Path, sqlite_url: str, options: list[str], says: str, loss: float
+) -> None:
+    (tmp_path / "train.py").write_text(PRINTS)
+    # One trial, the baseline: it reads its own loss (a later trial of its batch size stops
+    # once measured and reuses it), in about 30 s.
+    ran = run_cli(
+        "run", "--storage", sqlite_url, "--n-trials", "1", *options, "--", sys.executable,
+        "train.py", "--batch-size", "{batch_size}", "--says", says, cwd=tmp_path,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (trial,) = optuna.load_study(study_name="train", storage=sqlite_url).get_trials()
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    # Never a training loss (0.9, 0.8, a step's): the printed validation loss.
+    assert trial.values[1] == trial.user_attrs["val_loss"] == loss, trial.values
+    assert f"val_loss {loss}" in ran.stdout
+
+
+def test_a_val_loss_pattern_option_with_a_config_file_is_one_line(tmp_path: Path) -> None:
+    config = _config(tmp_path, FLAGS)
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    ran = invoke("run", str(config), "--storage", url, "--val-loss-pattern", "VL (.+)")
+    assert ran.returncode == 2
+    message = ran.stderr.strip()
+    assert "[workload] val_loss_pattern" in message and str(config) in message
+    assert "\n" not in message and not (tmp_path / "x.db").exists()

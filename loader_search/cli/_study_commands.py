@@ -26,6 +26,7 @@ from loader_search.cli._options import (
     parse_cpus,
 )
 from loader_search.cli._summary import print_summary
+from loader_search.errors import UserError
 
 RunTarget = Annotated[
     list[str],
@@ -65,6 +66,18 @@ def run(
     cpus: CpusOption = None,
     gpu: GpuOption = None,
     allow_mixed_hardware: MixedOption = False,
+    val_loss_pattern: Annotated[
+        str | None,
+        typer.Option(
+            "--val-loss-pattern",
+            help=(
+                "With `-- COMMAND...`: the regular expression (its first group the number) that"
+                " finds the validation loss in the command's output. Default: lines such as"
+                " val_loss=0.5, 'eval_loss': 0.5, Test set: Average loss: 0.5 (docs/scripts.md)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run (or continue) a study: every trial trains the workload with one loader setting.
 
@@ -76,15 +89,22 @@ def run(
 
     With `-- COMMAND...` every trial runs your own training script, unchanged: the trial's
     settings reach it as the placeholders' values, and those without a placeholder are put
-    into its training DataLoader (docs/scripts.md).
+    into its training DataLoader (docs/scripts.md). Its validation loss is the one it reports
+    (loader_search.report) or prints (val_loss=0.5 and other common forms, never a training
+    loss; --val-loss-pattern for its own).
     """
     from loader_search.study import command_config, load_config
     from loader_search.team import check_shared, resolve_storage_url
 
     if len(target) == 1 and not _is_program(target[0]):
+        if val_loss_pattern is not None:  # a study file says it: one place for it
+            raise UserError(
+                "--val-loss-pattern applies only with `-- COMMAND...`: set [workload]"
+                f" val_loss_pattern in {target[0]!r} instead"
+            )
         cfg = load_config(target[0])
     else:
-        cfg = command_config(target)
+        cfg = command_config(target, val_loss_pattern)
     cfg = cfg.with_overrides(name=study_name, timeout_s=timeout)
     pinned = parse_cpus(cpus)
     check_shared(resolve_storage_url(storage), "run")

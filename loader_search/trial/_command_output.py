@@ -1,6 +1,7 @@
 """A command's output, read by a thread of the trial (`loader_search.trial._command`): its
-last lines, each cut at `LINE_BYTES`, and the validation losses a ``val_loss_pattern`` finds
-in them, each match under a time limit (`MATCH_LIMIT_S`)."""
+last lines, each cut at `LINE_BYTES`, and the validation losses a ``val_loss_pattern`` (without
+one, the default rule: `loader_search.trial._command_val_loss`) finds in them, each line's
+match under a time limit (`MATCH_LIMIT_S`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import regex
 
+from loader_search.trial._command_val_loss import VAL_LOSS_RULE
 from loader_search.trial._processes import POLL_S
 
 OUTPUT_LINES = 40  # the command's last lines kept with a failure
@@ -30,10 +32,10 @@ SLOW_MATCHES = 3  # lines on which the pattern ran out of time before it is no l
 @dataclass
 class Output:
     """The command's output, read by a thread: its last lines (each cut at `LINE_BYTES`),
-    and the validation losses ``pattern`` found in it with when they were printed
-    (``time.time()``)."""
+    and the validation losses ``pattern`` (or, without one, `VAL_LOSS_RULE`) found in it with
+    when they were printed (``time.time()``)."""
 
-    pattern: regex.Pattern[str] | None
+    pattern: regex.Pattern[str] | None  # the user's val_loss_pattern; None: `VAL_LOSS_RULE`
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES)
     )
@@ -67,16 +69,30 @@ class Output:
     def _line(self, raw: bytes, cut: bool) -> None:
         line = raw.decode(errors="replace").rstrip("\r")
         self.tail.append(f"{line} [... cut at {LINE_BYTES:,} bytes]" if cut else line)
-        if self.pattern is None or self.slow_matches >= SLOW_MATCHES:
+        if self.slow_matches >= SLOW_MATCHES:
             return
-        try:
-            found = self.pattern.search(line, timeout=MATCH_LIMIT_S, concurrent=True)
-        except TimeoutError:
-            self.slow_matches += 1
-            return
-        if found:
-            with contextlib.suppress(ValueError, IndexError, TypeError):  # group 1 unset
-                self.losses.append((time.time(), float(found.group(1))))
+        if self.pattern is not None:
+            patterns, own = (self.pattern,), True
+        else:  # what a terminal shows: a progress bar's last update, not a stale first one
+            patterns, own = VAL_LOSS_RULE, False
+            line = line.rsplit("\r", 1)[-1]
+        deadline = time.monotonic() + MATCH_LIMIT_S  # for the line, whatever the patterns
+        for pattern in patterns:
+            try:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                found = pattern.search(line, timeout=left, concurrent=True)
+            except TimeoutError:
+                # The rule's patterns end in one pass over any line: out of time there is a
+                # busy machine, not a pattern to give up on (nor one to name in a failure).
+                if own:
+                    self.slow_matches += 1
+                return
+            if found:
+                with contextlib.suppress(ValueError, IndexError, TypeError):  # group 1 unset
+                    self.losses.append((time.time(), float(found.group(1))))
+                    return
 
     def text(self) -> str:
         return "\n".join(self.tail)

@@ -31,8 +31,9 @@ class CommandSpec:
     ``argv`` is the command with its placeholders (``{batch_size}``, ...) not yet filled in;
     it runs in ``workdir``, never through a shell. ``val_loss_pattern`` is a regular
     expression whose first group is the validation loss in the command's output (besides
-    ``loader_search.report(val_loss=...)``); ``train_loader`` picks the N-th DataLoader the
-    script builds as the training loader instead of the documented rule
+    ``loader_search.report(val_loss=...)``); without one, the default rule reads the common
+    printed forms (`loader_search.trial._command_val_loss`). ``train_loader`` picks the N-th
+    DataLoader the script builds as the training loader instead of the documented rule
     (`loader_search.trial._inject`).
     """
 

@@ -283,12 +283,16 @@ def load_config(path: str | Path) -> StudyConfig:
     return replace(config, workload=spec, workload_options=options)
 
 
-def command_config(argv: Sequence[str]) -> StudyConfig:
-    """The study of ``loader-search run -- COMMAND...``: the command, run in this process's
-    folder, every other setting at its default, named after the script. Its document is
-    stored as a config file's would be, so that workers can join it; its folder is stored as
-    ``"."``: each worker's own (`trusted_command`)."""
-    config = parse_config({"workload": {"command": list(argv)}}, source="the command after --")
+def command_config(argv: Sequence[str], val_loss_pattern: str | None = None) -> StudyConfig:
+    """The study of ``loader-search run [--val-loss-pattern REGEX] -- COMMAND...``: the
+    command, run in this process's folder, every other setting at its default, named after the
+    script. Its document is stored as a config file's would be, so that workers can join it
+    (with the same ``--val-loss-pattern``); its folder is stored as ``"."``: each worker's own
+    (`trusted_command`)."""
+    workload: dict[str, Any] = {"command": list(argv)}
+    if val_loss_pattern is not None:
+        workload["val_loss_pattern"] = val_loss_pattern
+    config = parse_config({"workload": workload}, source="the command after --")
     assert config.command is not None
     command = replace(config.command, workdir=os.getcwd())
     return replace(config, name=config.command.script, command=command)
