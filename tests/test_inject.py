@@ -330,10 +330,14 @@ def test_a_command_without_loader_search_runs_on_and_says_why(tmp_path: Path) ->
     env["PYTHONPATH"] = str(HOOK_DIR)  # the hook alone: loader_search is not on the path
     done = _probe("print('ran')", env=env, python=str(python), cwd=tmp_path)
     assert done.stdout == "ran\n" and done.stderr == ""
-    (error,) = trial.glob("hook-error-*.txt")
-    text = error.read_text()
-    assert text.count("\n") == 1
-    assert text.startswith(f"loader_search is not importable by {python}: install loader-search")
+    # Said as data, for the parent's one line (loader_search.trial._command_read): this
+    # Python, and what it lacks (torch first, as the script will need it).
+    (error,) = trial.glob("import-error-*.json")
+    assert json.loads(error.read_text()) == {
+        "python": str(python),
+        "missing": ["torch", "psutil"],
+    }
+    assert not list(trial.glob("hook-error-*"))
 
 
 def test_report_val_loss_outside_a_trial_is_a_cheap_no_op(tmp_path: Path) -> None:

@@ -88,6 +88,7 @@ from loader_search.trial._result import TrialResult
 HOOK_DIR = Path(__file__).parent / "_hook"
 TRIAL_DIR_ENV = MARKER_ENV  # also the marker every process of the trial inherits
 MEMORY_POLL_S = 0.5
+_PRINTED_SETTLE_S = 0.3  # a printed loss stands alone this long before it is taken
 # Variables a command never inherits: the study's database and its password.
 _SECRET_VARS = ("LOADER_SEARCH_STORAGE", "PGPASSWORD", "MYSQL_PWD", "DATABASE_URL")
 _CUDA_OOM_TEXT = ("CUDA out of memory", "torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
@@ -159,6 +160,7 @@ class _Command:
         self.began = time.time()
         pattern = regex.compile(spec.val_loss_pattern) if spec.val_loss_pattern else None
         self.output = Output(pattern)
+        self.reader_done = threading.Event()  # the output was read to its end
         self.seen = Seen()
 
     def run(self, started: float) -> TrialOutcome:
@@ -185,7 +187,12 @@ class _Command:
         finally:
             os.close(into)  # the command's processes hold it now: its end is theirs
         done = threading.Event()
-        reader = threading.Thread(target=self.output.read, args=(out, done), daemon=True)
+
+        def read() -> None:
+            self.output.read(out, done)
+            self.reader_done.set()
+
+        reader = threading.Thread(target=read, daemon=True)
         reader.start()
         try:
             failure = self._watch(process)
@@ -262,7 +269,16 @@ class _Command:
                     f"the loader-search hook failed in the command: {self.seen.hook_errors[0]}",
                     self.output.text(),
                 )
-            refused = self._not_applied() or self._slow_pattern()
+            # A Python that lacks what the hook needs (its record): said now, not at the end.
+            refused = (
+                (
+                    self.seen.wrong_python(self.spec.argv, self.spec.workdir, self.output.text())
+                    if self.seen.imports
+                    else None
+                )
+                or self._not_applied()
+                or self._slow_pattern()
+            )
             if refused is not None:  # the trial would measure the script's own setting
                 stop_kept(process, 0.0)
                 return refused
@@ -271,6 +287,9 @@ class _Command:
                 return None
             if ended:  # the keeper ends once nothing of the command is left
                 self._look()
+                self.reader_done.wait(STOP_GRACE_S)  # its last lines: a printed loss
+                if self._done(ended=True):
+                    return None
                 return self._start_failure() or self._ended(process.returncode)
             reached = self.seen.budget_reached_at(self.seen.world)
             # Past its budget a command has trial_timeout_s to report and end, however many
@@ -345,24 +364,33 @@ class _Command:
                     )
         return None
 
-    def _val_loss(self, after: float) -> float | None:
-        """The first validation loss reported at or after ``after`` (``time.time()``)."""
-        reported = [
+    def _val_loss(self, after: float, ended: bool) -> float | None:
+        """The first validation loss reported at or after ``after`` (``time.time()``): the
+        script's exact ``loader_search.report`` first, else one read from its output. A
+        script that prints its loss rounded, then reports it, races the two; so a printed
+        loss is taken only once it stood alone for `_PRINTED_SETTLE_S`, or the command
+        ended."""
+        reported = sorted(
             (float(at), float(value))
             for p in self.seen.procs
             for at, value in p.get("val_losses", [])
-        ]
-        found = sorted(v for v in reported + self.output.losses if v[0] >= after)
-        return found[0][1] if found else None
+            if float(at) >= after
+        )
+        if reported:
+            return reported[0][1]
+        settled = time.time() - (0.0 if ended else _PRINTED_SETTLE_S)
+        printed = sorted(v for v in self.output.losses if after <= v[0] <= settled)
+        return printed[0][1] if printed else None
 
-    def _done(self) -> bool:
-        """Whether the run has all it needs (then its `result` is set)."""
+    def _done(self, ended: bool = False) -> bool:
+        """Whether the run has all it needs (then its `result` is set); ``ended``: the
+        command has ended and its output is read."""
         reached = self.seen.budget_reached_at(self.seen.world)
         if reached is None or any(p.get("window") is None for p in self.seen.trainers):
             return False
         val_loss = None
         if self.mode == "train" and not self.job.plan.stop_early:
-            val_loss = self._val_loss(reached)
+            val_loss = self._val_loss(reached, ended)
             if val_loss is None:
                 return False
         self.result = command_result(
@@ -371,7 +399,11 @@ class _Command:
         return True
 
     def _ended(self, returncode: int | None) -> TrialFailure:
-        """Why a command that ended by itself gave no result (a rank's own error first)."""
+        """Why a command that ended by itself gave no result (a Python without torch or
+        loader-search first, then a rank's own error)."""
+        wrong = self.seen.wrong_python(self.spec.argv, self.spec.workdir, self.output.text())
+        if wrong is not None:
+            return wrong
         line, tail = self.seen.error_tail(self.output.text())
         if returncode is not None and returncode != 0:
             if any(text in tail for text in _CUDA_OOM_TEXT):
@@ -419,8 +451,12 @@ class _Command:
     def _silent(self, timeout_s: float) -> TrialFailure:
         """Why a command that made no progress for ``timeout_s`` was stopped."""
         tail = self.output.text()
+        if wrong := self.seen.wrong_python(self.spec.argv, self.spec.workdir, tail):
+            return wrong
         if missing := self.seen.hook_missing(self.spec.argv, tail, final=True):
             return missing
+        if nothing := self.seen.no_loader(timeout_s, tail):  # no loader: never a deadlock
+            return nothing
         samples, _ = self.seen.progress
         if self.seen.budget_reached_at(self.seen.world) is not None:
             return failure_for(

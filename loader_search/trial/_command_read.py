@@ -17,11 +17,21 @@ from loader_search.trial._command_text import (
     ELASTIC,
     NO_HOOK_HINT,
     NOTHING_SEEN,
+    WRONG_PYTHON_HINT,
+    command_python,
     interpreter_flag,
+    lacks_torch,
     last_error,
     no_hook,
+    wrong_python,
 )
-from loader_search.trial._failures import NOT_APPLIED, TrialFailure, failure_for
+from loader_search.trial._failures import (
+    EXCEPTION,
+    NOT_APPLIED,
+    FailureReason,
+    TrialFailure,
+    failure_for,
+)
 from loader_search.trial._job import TrialJob
 from loader_search.trial._result import TrialResult
 
@@ -36,6 +46,9 @@ class Seen:
     procs: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
     hook_errors: list[str] = field(default_factory=list)
+    # What the hook could not import, per process (``import-error-PID.json``): its Python
+    # lacks loader-search's dependencies, so the hook stayed out.
+    imports: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def trainers(self) -> list[dict[str, Any]]:
@@ -90,6 +103,35 @@ class Seen:
         if flag is None and not (final and self.procs):
             return None
         return failure_for(NOT_APPLIED, no_hook(flag), output, hint=NO_HOOK_HINT)
+
+    def wrong_python(self, argv: Sequence[str], workdir: str, output: str) -> TrialFailure | None:
+        """The failure of a command ``argv`` whose Python cannot import torch (its ``output``
+        says so) or what the hook needs (the hook's record), naming that Python; else None."""
+        missing = ["torch"] if lacks_torch(output) else []
+        for record in self.imports:
+            missing += [str(m) for m in record.get("missing") or [] if str(m) not in missing]
+        if not missing:
+            return None
+        python = next((str(r["python"]) for r in self.imports if r.get("python")), None)
+        line = wrong_python(python or command_python(argv, workdir), missing, found=bool(python))
+        # The hook stayed out (its record): no setting applied; else the script's own import.
+        reason: FailureReason = NOT_APPLIED if self.imports else EXCEPTION
+        return failure_for(reason, line, output, hint=WRONG_PYTHON_HINT)
+
+    def no_loader(self, within_s: float, output: str) -> TrialFailure | None:
+        """Why a command that built no DataLoader in ``within_s`` was stopped: never a
+        deadlock, as no loader was there to wait for. None once one was built (a hang before
+        its first batch is the command's own)."""
+        if any(p.get("loaders") for p in self.procs):
+            return None
+        return failure_for(
+            NOT_APPLIED,
+            f"the command built no torch.utils.data.DataLoader in {within_s:g} s, so there is"
+            " nothing to tune: feed its training loop from a DataLoader (its settings in the"
+            " code or as flags, docs/scripts.md), or raise [limits] trial_timeout_s if it"
+            " builds one later",
+            output,
+        )
 
     def no_trainer(self, argv: Sequence[str], output: str) -> TrialFailure:
         """Why the command ``argv``, over, gave no training loader to measure."""
@@ -153,6 +195,7 @@ def look(folder: Path) -> Seen:
         hook_errors=[
             p.read_text(errors="replace").strip() for p in folder.glob("hook-error-*.txt")
         ],
+        imports=read("import-error-*.json"),
     )
 
 

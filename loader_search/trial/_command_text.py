@@ -3,6 +3,9 @@
 * Its interpreter's flags: the start-up hook is a ``sitecustomize`` on ``PYTHONPATH``, which a
   Python run with ``-I`` or ``-E`` ignores and one run with ``-S`` never imports
   (`interpreter_flag`, `no_hook`).
+* Its interpreter: a Python without torch or loader-search (the system's, where the user's
+  environment is not active) is named by its path, with the fix (`command_python`,
+  `wrong_python`).
 * The error in its output: under torchrun, the launcher's own traceback and banner
   (``ChildFailedError``, ``====``) come last, the failing rank's error above them
   (`last_error`). The hook's record of the error a rank ended in is read first
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Sequence
 
 # The interpreter's flags under which the hook cannot load, and why.
@@ -79,10 +83,47 @@ NO_HOOK_HINT = (
     " Python that reads it (no -I, -E or -S) and keep PYTHONPATH as loader-search sets it"
 )
 NOTHING_SEEN = (
-    "the command ended without building a DataLoader the loader-search hook saw: it builds"
-    " none, or the hook did not load (a Python run with -I, -E or -S ignores PYTHONPATH,"
-    " where the hook is: drop the flag)"
+    "the command ended without building a torch.utils.data.DataLoader the loader-search hook"
+    " saw, so there is nothing to tune: feed its training loop from a DataLoader (its settings"
+    " in the code or as flags, docs/scripts.md); if it builds one, the hook did not load (a"
+    " Python run with -I, -E or -S ignores PYTHONPATH, where the hook is: drop the flag)"
 )
+# torch missing from the interpreter that ran the command, as Python says it.
+_NO_TORCH = re.compile(r"ModuleNotFoundError: No module named 'torch'")
+WRONG_PYTHON_HINT = (
+    "the command's first word picks the Python that runs it: name the one whose environment"
+    " has torch and loader-search installed"
+)
+
+
+def command_python(argv: Sequence[str], workdir: str) -> str:
+    """The program the command's first word names, found as the command finds it: a word
+    with a slash from the command's folder, a bare name on ``PATH`` (the command inherits
+    this process's); the word itself where nothing is found."""
+    word = argv[0] if argv else "python"
+    if os.sep in word:
+        return os.path.normpath(os.path.join(workdir, word))
+    return shutil.which(word, path=os.environ.get("PATH")) or word
+
+
+def lacks_torch(output: str) -> bool:
+    """Whether the command's ``output`` says its Python has no torch."""
+    return _NO_TORCH.search(output) is not None
+
+
+def wrong_python(python: str, modules: Sequence[str], *, found: bool) -> str:
+    """One line: the command's Python cannot import ``modules``, and the fix. ``python``: the
+    interpreter that ran (``found``: as it named itself), or the program the command's first
+    word names (a launcher, a wrapper: the Python it runs is named by it)."""
+    named = [
+        m if m in ("torch", "loader_search") else f"{m} (loader-search needs it)" for m in modules
+    ]
+    who = python if found or _PYTHON.fullmatch(os.path.basename(python)) else f"(run by {python})"
+    return (
+        f"the command's Python {who} cannot import {', '.join(named)}: activate the environment"
+        " that has torch and loader-search, or give that environment's python by its full"
+        " path, e.g. .venv/bin/python"
+    )
 
 
 def last_error(text: str) -> str:

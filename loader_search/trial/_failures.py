@@ -98,8 +98,9 @@ HINTS = {
         " epoch loop (the training loader yields nothing once the budget is used)"
     ),
     NO_VAL_LOSS: (
-        "call loader_search.report(val_loss=...) after the validation, or set [workload]"
-        " val_loss_pattern to a regular expression that finds it in the output"
+        "print the validation loss as val_loss=N, call loader_search.report(val_loss=...) after"
+        " the validation, or give a regular expression that finds it in the output ([workload]"
+        " val_loss_pattern, or run --val-loss-pattern)"
     ),
 }
 

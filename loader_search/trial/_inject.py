@@ -224,6 +224,9 @@ def _plan(
         "not_applied": {},
     }
     state.loaders.append(record)
+    # Written at once: a command that built its loader and then waits before the first batch
+    # is told from one that builds none (`loader_search.trial._command_read.Seen.no_loader`).
+    state.write()
     wanted = state.settings.train_loader
     dataset = arguments.get("dataset")
     recreated = shuffles and dataset is not None and dataset is state.train_dataset

@@ -16,8 +16,11 @@ whether they split the stream (`loader_search.trial._hookworker`). What it finds
 * a ``multiprocessing_context`` of the script's own: searched as declared, but a trial without
   workers runs without it (torch takes it only with workers), which the study says once.
 
-A setting a trial still cannot apply fails that trial as ``not_applied``, naming it: never a
-silent no-op.
+A look that shows the command cannot be tuned at all stops the study before any trial
+(``fatal``): its Python has no torch or no loader-search, or it iterates no DataLoader by its
+end or the no-progress limit (a script that batches by hand would otherwise run whole twice,
+then fail as if it hung). A setting a trial still cannot apply fails that trial as
+``not_applied``, naming it: never a silent no-op.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 from loader_search.params import LoaderParams, TrainingSettings, TrialLimits
 from loader_search.trial._command import _Command, trial_folder
-from loader_search.trial._failures import TrialFailure
+from loader_search.trial._failures import NOT_APPLIED, TrialFailure
 from loader_search.trial._job import CommandSpec, TrialJob
 
 PROBE_WORKERS = 2  # enough to see whether an iterable stream is split
@@ -45,7 +48,7 @@ class ScriptFacts:
     training loader's own ``batch_size`` where the script fixes it; ``max_workers`` where
     workers beyond it would repeat the data; ``context``: the start method the loader's own
     ``multiprocessing_context`` names; ``failure``: why the look found nothing (the space
-    stays as declared)."""
+    stays as declared); ``fatal``: that reason says the command cannot be tuned."""
 
     site: str | None = None
     fixed: Mapping[str, str] = field(default_factory=dict)
@@ -53,6 +56,7 @@ class ScriptFacts:
     max_workers: int | None = None
     failure: str | None = None
     context: str | None = None
+    fatal: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +66,7 @@ class ScriptFacts:
             "max_workers": self.max_workers,
             "failure": self.failure,
             "context": self.context,
+            "fatal": self.fatal,
         }
 
     @classmethod
@@ -80,6 +85,7 @@ class ScriptFacts:
             max_workers=count(data.get("max_workers")),
             failure=str(data["failure"]) if isinstance(data.get("failure"), str) else None,
             context=str(data["context"]) if isinstance(data.get("context"), str) else None,
+            fatal=data.get("fatal") is True,
         )
 
 
@@ -87,10 +93,14 @@ class _Probe(_Command):
     """A run of the command in ``probe`` mode: done once the training loader is known."""
 
     def _not_applied(self) -> TrialFailure | None:
-        # What cannot apply is what the probe is looking for; a hook that cannot load is not.
-        return self.seen.hook_missing(self.spec.argv, self.output.text(), final=False)
+        # What cannot apply is what the probe is looking for; a hook that cannot load is not,
+        # nor a Python without what the hook imports (said at once, not at the limit).
+        text = self.output.text()
+        if self.seen.imports:
+            return self.seen.wrong_python(self.spec.argv, self.spec.workdir, text)
+        return self.seen.hook_missing(self.spec.argv, text, final=False)
 
-    def _done(self) -> bool:
+    def _done(self, ended: bool = False) -> bool:
         loaders = self.seen.train_loaders()
         if not loaders or not self.seen.trainers:
             return False
@@ -128,8 +138,14 @@ def probe_command(
         seen = probe.seen
     loaders = seen.train_loaders()
     if not loaders:
-        why = outcome.failure.message if outcome.failure else "no training DataLoader iterated"
-        return ScriptFacts(failure=why)
+        failure = outcome.failure
+        why = failure.message if failure else "no training DataLoader iterated"
+        # The wrong Python, or no loader the hook could see (`_Command._short`, `_silent`):
+        # every trial would fail the same way. A crash or an error of the script's is left to
+        # the baseline, which says it with its traceback.
+        wrong = seen.wrong_python(spec.argv, spec.workdir, probe.output.text())
+        fatal = wrong is not None or (failure is not None and failure.reason == NOT_APPLIED)
+        return ScriptFacts(failure=wrong.message if wrong else why, fatal=fatal)
     return facts_of(loaders[0], seen.workers)
 
 

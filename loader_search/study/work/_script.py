@@ -4,7 +4,10 @@ study says so in one line, never a silent no-op.
 
 The first worker of a study looks and stores what it found with the study
 (``script_facts``); every worker after it narrows its own space by the stored facts, so all
-of them search the same space and no worker runs the command only to look.
+of them search the same space and no worker runs the command only to look. A look that found
+nothing is looked at again until a trial completes, and the new look replaces it: the user
+fixed the command, and the old note would say what is no longer true. A look that shows the
+command cannot be tuned (`ScriptFacts.fatal`) stops the study in one line, and is not stored.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import optuna
+from optuna.trial import TrialState
 
+from loader_search.errors import StudyAborted
 from loader_search.study.config import StudyConfig
 from loader_search.study.search import IntRange, ResolvedSpace
 from loader_search.trial import ScriptFacts, probe_command
@@ -35,9 +40,8 @@ def command_space(
     if config.command is None:
         return space, []
     stored = study.user_attrs.get(SCRIPT_FACTS_ATTR)
-    if isinstance(stored, dict):
-        facts = ScriptFacts.from_dict(stored)
-    else:
+    facts = ScriptFacts.from_dict(stored) if isinstance(stored, dict) else None
+    if facts is None or (facts.failure and not _completed(study)):
         if preparing is not None:
             preparing("a first look at the command: which DataLoader it trains with")
         facts = probe_command(
@@ -48,8 +52,15 @@ def command_space(
             ranks=ranks,
             max_workers=space.num_workers.high,
         )
+        if facts.fatal:
+            raise StudyAborted(f"the first look at the command, before any trial: {facts.failure}")
         study.set_user_attr(SCRIPT_FACTS_ATTR, facts.as_dict())
     return narrow(space, facts, config.training.batch_size)
+
+
+def _completed(study: optuna.Study) -> bool:
+    """Whether a trial of ``study`` completed: its space is then the stored look's for good."""
+    return bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
 
 def narrow(
