@@ -28,7 +28,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from loader_search.trial import _hookworker
@@ -42,11 +42,15 @@ CEILING_MIN_S = 0.5
 class TrainRun:
     """The training loader's measurement across its iterators (epochs)."""
 
-    def __init__(self, loader: Any, state: ProcessState) -> None:
+    def __init__(self, loader: Any, state: ProcessState, owner: Any = None) -> None:
         from loader_search.trial._measure import StepMeter
         from loader_search.trial._step import default_batch_size
 
         self.state = state
+        self.owner = owner  # the loader's `_inject._LoaderInfo`, whose batches these are
+        # No longer the training loader (`loader_search.trial._hookpick`): its iterators pass
+        # its batches through, neither counted nor cut.
+        self.retired = False
         settings = state.settings
         self.workers = int(getattr(loader, "num_workers", 0) or 0)
         # The batches the workers prefetched while the model was not asking come at once:
@@ -158,7 +162,7 @@ class TrainRun:
         """The iterator ``serial`` was dropped (a ``break`` out of its loop, garbage
         collection) with its last batch's step open: the step ends here, as at an epoch's
         end (at the budget, the window too). A step of a later iterator is not its own."""
-        if self.pending is not None and self.pending_from == serial:
+        if self.pending is not None and self.pending_from == serial and not self.retired:
             self.epoch_end()
 
     def epoch_end(self) -> None:
@@ -245,6 +249,8 @@ class TrainIter(_Wrapped):
 
     def __next__(self) -> Any:
         run = self._run
+        if run.retired:
+            return _ticked(next(self._it), run.state, run.owner)
         try:
             stop = run.before_next()
         except Exception as exc:
@@ -268,29 +274,60 @@ class TrainIter(_Wrapped):
         _call(run.meter.wait_end, run.state)
         try:
             run.delivered(batch, cpu, self.serial)
+            run.state.last_batch_from = run.owner
         except Exception as exc:
             run.state.record_error("counting the training batches", exc)
         return batch
 
 
 class TickIter(_Wrapped):
-    """Another loader's iterator: its batches count as evaluation progress."""
+    """Another loader's iterator: its batches count as evaluation progress.
 
-    def __init__(self, iterator: Iterator[Any], state: ProcessState) -> None:
+    ``switch`` (called before each batch) returns the training iterator that replaces this
+    one once the optimizer steps made its loader the training loader
+    (`loader_search.trial._hookpick`), else None. The rest of this epoch is then the new
+    iterator's: measured at the trial's settings from the next batch, not an epoch later.
+    """
+
+    def __init__(
+        self,
+        iterator: Iterator[Any],
+        state: ProcessState,
+        owner: Any = None,
+        switch: Callable[[], Iterator[Any] | None] | None = None,
+    ) -> None:
         self._it = iterator
         self._state = state
+        self._owner = owner
+        self._switch = switch
+        self._training = False
 
     def __next__(self) -> Any:
-        _call(self._state.budget_step_over, self._state)
-        batch = next(self._it)
+        if self._training:
+            return next(self._it)
         state = self._state
-        try:
-            state.ticks += 1
-            state.touch()
-            state.maybe_write()
-        except Exception as exc:
-            state.record_error("counting evaluation batches", exc)
-        return batch
+        if self._switch is not None:
+            try:
+                replacement = self._switch()
+            except Exception as exc:
+                state.record_error("switching to the training loader", exc)
+                replacement = None
+            if replacement is not None:
+                self._it, self._training = replacement, True
+                return next(replacement)
+        _call(state.budget_step_over, state)
+        return _ticked(next(self._it), state, self._owner)
+
+
+def _ticked(batch: Any, state: ProcessState, owner: Any) -> Any:
+    try:
+        state.ticks += 1
+        state.last_batch_from = owner
+        state.touch()
+        state.maybe_write()
+    except Exception as exc:
+        state.record_error("counting evaluation batches", exc)
+    return batch
 
 
 def _call(action: Any, state: ProcessState) -> None:

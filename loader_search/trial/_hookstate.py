@@ -17,7 +17,9 @@ uncaught exception the program ended in: ``at``, ``type`` and the ``traceback``'
 rank's own, which torchrun prints far above its banner), ``rank``, ``world_size``,
 ``local_rank`` (torch.distributed's once a group is up, else the environment's), ``loaders``
 (each: ``index``, ``site``, ``shuffle``, ``train``, ``iterable``, ``applied``, ``not_applied``,
-and the ``num_workers`` and ``batch_size`` the loader really uses), ``samples`` and ``batches``
+and the ``num_workers`` and ``batch_size`` the loader really uses), ``train_rule`` (what chose
+the training loader: ``guess``, ``train_loader`` or ``optimizer_steps``, see
+`loader_search.trial._hookpick`; null before one is chosen), ``samples`` and ``batches``
 (of the training loader), ``ticks`` (batches of the others), ``budget_reached``,
 ``budget_reached_at``, ``window`` (`window_dict`, or null before the warm-up ends), ``stages``
 (the training process's stage costs over the window, see `loader_search.trial._hookloop`),
@@ -115,6 +117,13 @@ class ProcessState:
         self.loaders: list[dict[str, Any]] = []
         self.built = 0  # DataLoaders built in this process so far
         self.train_decided = False  # whether the training loader is known (or cannot be)
+        # What chose it ("guess", "train_loader", "optimizer_steps"), the chosen loader's
+        # `_inject._LoaderInfo`, the one whose batch came last, and whether an optimizer
+        # step has followed a batch: the first step settles the choice (`_hookpick`).
+        self.train_rule: str | None = None
+        self.train_info: Any = None
+        self.last_batch_from: Any = None
+        self.steps_settled = False
         # The training loader's data set: a shuffling loader built later over it is the same
         # loader re-created (Lightning adds a DistributedSampler that way).
         self.train_dataset: Any = None
@@ -149,6 +158,18 @@ class ProcessState:
 
     def touch(self) -> None:
         self.touched = True
+
+    def restart_training(self) -> None:
+        """Forget the training counts and window: they were another loader's, the wrong
+        guess (`loader_search.trial._hookpick`)."""
+        self.samples = self.batches = 0
+        self.stages = dict.fromkeys(self.stages, 0.0)
+        self.stages["window_batches"] = 0
+        self.budget_reached = False
+        self.budget_reached_at = None
+        self.meter = None
+        self.close_at_budget = None
+        self.final_window = self.idle_window = None
 
     def budget_step_over(self) -> None:
         """Another loader's batch, a reported loss or the exit: the training loop is over
@@ -212,6 +233,7 @@ class ProcessState:
             "world_size": world,
             "local_rank": local,
             "loaders": self.loaders,
+            "train_rule": self.train_rule,
             "samples": self.samples,
             "batches": self.batches,
             "ticks": self.ticks,

@@ -20,6 +20,12 @@ Which loader is the training loader, in each process (each rank):
   loader re-created (Lightning re-creates it with a ``DistributedSampler``), which keeps the
   trial's settings.
 
+Without ``train_loader``, the shuffle rule is only the first guess: the first optimizer step
+after a batch settles it (`loader_search.trial._hookpick`). A step after another loader's
+batch makes that loader the training loader (`_retarget`): the trial's settings go into it
+from its next batch, and the guessed one goes back to the script's own settings at its next
+iterator, no longer measured nor cut.
+
 The training loader gets the settings the trial injects (those the command line does not pass
 itself); a setting that cannot apply is recorded with its reason, never dropped silently. Its
 iterator is measured with `StepMeter` (the time between two batches is the user's whole step
@@ -42,7 +48,7 @@ import sys
 from types import FrameType, ModuleType
 from typing import Any
 
-from loader_search.trial import _hookstate, _hookworker
+from loader_search.trial import _hookpick, _hookstate, _hookworker
 from loader_search.trial._hookloop import TickIter, TrainIter, TrainRun
 from loader_search.trial._hookstate import HookSettings, ProcessState
 
@@ -60,7 +66,8 @@ def install() -> None:
     state = _hookstate.install_state()
     state.hooked = True
     _hookstate.watch_uncaught(state)
-    for name, patcher in {TARGET: patch, **FRAMEWORKS}.items():
+    patchers = {TARGET: patch, _hookpick.TARGET: _watch_steps, **FRAMEWORKS}
+    for name, patcher in patchers.items():
         module = sys.modules.get(name)
         if module is not None:
             _patched(patcher, module)
@@ -131,10 +138,14 @@ class _PatchingLoader:
 class _LoaderInfo:
     """What the hook keeps on one DataLoader it saw built."""
 
-    def __init__(self, record: dict[str, Any], arguments: dict[str, Any] | None) -> None:
+    def __init__(self, record: dict[str, Any], arguments: dict[str, Any]) -> None:
         self.record = record
         self.arguments = arguments  # the user's own arguments, kept for a re-initialisation
         self.run: TrainRun | None = None
+        # Set by `_retarget`: the trial's settings go in before its next batch, or the
+        # script's own come back at its next iterator.
+        self.take_over = False
+        self.restore = False
 
 
 def patch(module: ModuleType) -> None:
@@ -173,18 +184,31 @@ def patch(module: ModuleType) -> None:
         if state is None or not isinstance(info, _LoaderInfo):
             return original_iter(self)
         try:
+            if info.restore:
+                info.restore = False
+                _reinit(original_init, self, info, info.arguments)
             if (
                 not state.train_decided
                 and state.settings.train_loader is None
                 and info.record["index"] == 1
             ):
                 _fall_back_to_first(original_init, self, state, info)
+            if info.take_over:
+                _take_over(original_init, self, state, info)
             if info.record["train"]:
                 return _train_iter(self, info, state, original_iter)
         except Exception as exc:
             state.record_error("DataLoader.__iter__", exc)
             return original_iter(self)
-        return TickIter(original_iter(self), state)
+
+        def switch() -> Any:
+            # The optimizer steps made this loader the training loader mid-epoch.
+            if not info.take_over:
+                return None
+            _take_over(original_init, self, state, info)
+            return _train_iter(self, info, state, original_iter)
+
+        return TickIter(original_iter(self), state, info, switch)
 
     __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
     __iter__.__wrapped__ = original_iter  # type: ignore[attr-defined]
@@ -213,7 +237,7 @@ def _plan(
     arguments.pop("self", None)
     state.built += 1
     state.touch()
-    shuffles = _shuffles(arguments)
+    shuffles = _hookpick.shuffles(arguments)
     record: dict[str, Any] = {
         "index": state.built,
         "site": _site(loader),
@@ -233,14 +257,18 @@ def _plan(
     training = recreated or (
         state.built == wanted if wanted is not None else shuffles and not state.train_decided
     )
-    # The first loader's own arguments are kept: it becomes the training loader if no
-    # shuffling one is built before it is first iterated.
-    info = _LoaderInfo(record, arguments if state.built == 1 and not training else None)
+    # Every loader's own arguments are kept: the first one becomes the training loader if
+    # no shuffling one is built before it is first iterated, any one if the optimizer steps
+    # follow its batches, and a wrong guess goes back to them.
+    info = _LoaderInfo(record, arguments)
     loader.__dict__[_INFO] = info
     if not training:
         return info, None
+    if not recreated or state.train_rule is None:
+        state.train_rule = "train_loader" if wanted is not None else "guess"
     state.train_decided = True
     state.train_dataset = dataset
+    state.train_info = info
     record["train"] = True
     return info, _injected(arguments, state.settings, record, signature)
 
@@ -352,44 +380,60 @@ def _fall_back_to_first(
     original_init: Any, loader: Any, state: ProcessState, info: _LoaderInfo
 ) -> None:
     """No shuffling loader was built before the first one is iterated: the first one is the
-    training loader, initialised again with the trial's settings."""
+    training loader (a guess), initialised again with the trial's settings."""
+    state.train_decided = True
+    state.train_rule = "guess"
+    state.train_info = info
+    info.record["train"] = True
+    _take_over(original_init, loader, state, info)
+
+
+def _take_over(original_init: Any, loader: Any, state: ProcessState, info: _LoaderInfo) -> None:
+    """``loader`` becomes the training loader: initialised again with the trial's settings,
+    or with its own where torch refuses them (recorded as not applied)."""
     import inspect
 
-    state.train_decided = True
-    if info.arguments is None:
-        return
-    arguments, info.arguments = info.arguments, None
-    info.record["train"] = True
+    info.take_over = False
+    arguments = info.arguments
     injected = _injected(arguments, state.settings, info.record, inspect.signature(original_init))
-    _reset(loader)
     try:
-        original_init(loader, **injected)
+        _reinit(original_init, loader, info, injected)
     except Exception as exc:
         _refused(state, info, exc)
-        _reset(loader)
-        original_init(loader, **arguments)
+        _reinit(original_init, loader, info, arguments)
+
+
+def _reinit(original_init: Any, loader: Any, info: _LoaderInfo, arguments: dict[str, Any]) -> None:
+    # A live iterator keeps what it took from the loader; the next one takes these.
+    _reset(loader)
+    original_init(loader, **arguments)
     _note_effective(loader, info)
 
 
-def _shuffles(arguments: dict[str, Any]) -> bool:
-    if arguments.get("shuffle"):
-        return True
-    if _shuffling_sampler(arguments.get("sampler")):
-        return True
-    batch_sampler = arguments.get("batch_sampler")
-    return batch_sampler is not None and _shuffling_sampler(
-        getattr(batch_sampler, "sampler", None)
-    )
+def _retarget(state: ProcessState, info: _LoaderInfo) -> None:
+    """An optimizer step followed a batch of ``info``'s loader before any of the guessed
+    training loader's (`_hookpick.stepped`): ``info``'s loader trains. The counts so far were
+    the guess's: they start again."""
+    old = state.train_info
+    if isinstance(old, _LoaderInfo):
+        old.record["train"] = False
+        old.record["applied"], old.record["not_applied"] = {}, {}
+        old.restore = True
+        if old.run is not None:
+            old.run.retired = True
+            old.run = None
+    state.restart_training()
+    state.train_decided = True
+    state.train_rule = "optimizer_steps"
+    state.train_info = info
+    state.train_dataset = info.arguments.get("dataset")
+    info.record["train"] = True
+    info.take_over = True
+    state.write()
 
 
-def _shuffling_sampler(sampler: object) -> bool:
-    import torch.utils.data as data
-    from torch.utils.data.distributed import DistributedSampler
-
-    if isinstance(sampler, DistributedSampler):
-        return bool(getattr(sampler, "shuffle", False))
-    random = (data.RandomSampler, data.SubsetRandomSampler, data.WeightedRandomSampler)
-    return isinstance(sampler, random)
+def _watch_steps(module: ModuleType) -> None:
+    _hookpick.watch(module, _retarget)
 
 
 def _outside(filename: str) -> bool:
@@ -432,7 +476,7 @@ def _site(loader: Any) -> str | None:
 def _train_iter(loader: Any, info: _LoaderInfo, state: ProcessState, original_iter: Any) -> Any:
     run = info.run
     if run is None:
-        run = info.run = TrainRun(loader, state)
+        run = info.run = TrainRun(loader, state, info)
     if run.done():
         run.before_next()  # the budget fell on an epoch's last batch: reached now
         return iter(())
