@@ -49,7 +49,7 @@ def test_run_prints_a_recommendation(finished_study: tuple[str, Path, str]) -> N
     # Which trial wins depends on measured speed; the printed verdict must match the data.
     data = json.loads(CliRunner().invoke(app, ["best", "tiny", "--storage", url, "--json"]).stdout)
     recommended = data["recommended"]
-    if recommended["baseline"]:
+    if recommended["keep_baseline"]:  # the verdict's, whichever trial the rule picked
         assert "Recommended: keep the baseline (trial #0)" in stdout
     else:
         speedup = recommended["speedup_vs_baseline"]
@@ -197,6 +197,13 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
     assert rec["confirmation_rounds"] >= 2, f"the candidates were not confirmed:\n{why}"
     low, high = rec["speedup_ci95"]
     assert rec["verdict"] == ("faster" if low > 1 else "no_reliable_gain")
+    assert rec["keep_baseline"] == best["keep_baseline"] == (rec["verdict"] != "faster")
+    # Every view writes the interval as `best` does: in words when it is too noisy to size.
+    interval = (
+        "95% CI too noisy to size"
+        if rec["speedup_ci95_too_noisy"]
+        else f"95% CI {low:.2f}-{high:.2f}"
+    )
     # The JSON report's summary is `best --json`, front and recommendation alike.
     out = tmp_path / "report.json"
     done = CliRunner().invoke(
@@ -206,15 +213,17 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
     report = json.loads(out.read_text())
     assert report["summary"]["pareto"] == best["pareto"]
     assert report["summary"]["recommended"] == rec
-    # `studies` shows the same samples/s (the median of the recommended setting) and interval.
+    # `studies` shows the same samples/s (the median of the recommended setting, the
+    # baseline's when it is kept) and interval.
     row = next(
         line
         for line in CliRunner().invoke(app, ["studies", "--storage", url]).stdout.splitlines()
         if line.startswith("│ confirmed ")
     )
     cells = [cell.strip() for cell in row.strip("│ ").split("│")]
-    assert cells[5] == f"{rec['throughput']:,.0f}"
-    assert f"95% CI {low:.2f}-{high:.2f}" in cells[6]
+    kept = best["baseline"] if rec["keep_baseline"] else rec
+    assert cells[5] == f"{kept['throughput']:,.0f}"
+    assert interval.replace("95% CI too", "too") in cells[6]  # the cell's shorter words
     # The dashboard shows the same answer as the study's note (its own views draw Optuna's
     # front over raw trials, and the note says so).
     from optuna_dashboard._note import get_note_from_system_attrs
@@ -223,11 +232,11 @@ def test_best_the_json_report_and_studies_agree_on_the_front_and_the_answer(
     attrs = storage.get_study_system_attrs(storage.get_study_id_from_name("confirmed"))
     note = get_note_from_system_attrs(attrs, None)["body"]
     assert "Optuna's front over raw trials" in note
-    assert f"95% CI {low:.2f}-{high:.2f}" in note
+    assert interval in note
     for point in best["pareto"]:
         assert f"| #{point['number']} |" in note and f"{point['throughput']:,.0f}" in note
     # And the run's own last words state the speedup with that interval, never bare.
-    assert f"95% CI {low:.2f}-{high:.2f}, paired over {rec['confirmation_rounds']} rounds" in (
+    assert f"{interval}, paired over {rec['confirmation_rounds']} rounds" in (
         " ".join(stdout.split())
     )
 

@@ -196,7 +196,11 @@ def studies(storage: StorageOption = None) -> None:
                 tolerance = study_tolerance(name, attrs, StudyConfig().loss_tolerance)
                 summary = summarize(study, tolerance)
                 rec = summary.recommended
-                throughput = rec.point.throughput if rec else None
+                # The samples/s of the setting the verdict recommends: the baseline's when
+                # it is kept, never those of a candidate it rejected.
+                kept = summary.baseline if rec and rec.keeps_baseline else None
+                chosen = kept or (rec.recommended_point if rec else None)
+                throughput = chosen.throughput if chosen else None
                 speedup = _short_speedup(rec) if rec else None
             stored = attrs.get(BUDGET_ATTR) is not None
             budget = study_budget(name, attrs, 1) if stored else None
@@ -225,7 +229,8 @@ def _short_speedup(rec: Recommendation) -> str:
         return "keep the baseline"
     if rec.paired is None:
         return f"{rec.speedup_vs_baseline:.2f}x (unconfirmed)" if rec.speedup_vs_baseline else "-"
-    interval = f"95% CI {rec.paired.low:.2f}-{rec.paired.high:.2f}"
-    if rec.verdict == "no_reliable_gain":
-        return f"no reliable gain ({interval})"
+    # Short enough for the cell not to wrap in a terminal 132 columns wide.
+    interval = rec.paired.interval_text(cell=True)
+    if rec.keeps_baseline:
+        return f"keep the baseline ({rec.paired.estimate:.2f}x, {interval})"
     return f"{rec.paired.estimate:.2f}x ({interval})"

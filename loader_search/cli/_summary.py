@@ -101,7 +101,9 @@ def print_summary(summary: StudySummary) -> None:
         table.add_column(column, justify="right", no_wrap=True)
     if goodput:
         table.add_column("goodput", justify="right", no_wrap=True)
-    recommended = summary.recommended.point.number if summary.recommended else None
+    # The mark follows the verdict: the rule's best candidate, rejected by it, is no star.
+    chosen = summary.recommended.recommended_point if summary.recommended else None
+    recommended = chosen.number if chosen else None
     rows = list(summary.pareto)
     if summary.recommended is not None and summary.recommended.point not in rows:
         # Confirmed as the highest paired speedup while another setting's median sits on the
@@ -175,22 +177,52 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
     rec = summary.recommended
     if rec is None:
         return
+    if rec.keeps_baseline:
+        _print_kept_baseline(summary, out)
+        return
     headline = (
         f"[bold]Recommended:[/] trial #{rec.point.number}, {rec.point.throughput:,.0f} samples/s"
     )
-    if rec.point.is_baseline:
-        headline = (
-            f"[bold]Recommended: keep the baseline[/] (trial #{rec.point.number}): no faster"
-            " setting within the loss tolerance was found; try more trials"
-        )
-    elif rec.verdict == "no_reliable_gain":
-        headline = f"[bold]Recommended:[/] {shown(rec.speedup_text() or '')}"
-    elif rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
+    if rec.speedup_vs_baseline is not None and rec.val_loss_change_vs_baseline is not None:
         headline += (
             f" = [bold]{shown(rec.speedup_text() or '')}[/], val_loss"
             f" {rec.point.val_loss:.4f} ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)"
         )
     out.print(headline, soft_wrap=True)
+    _print_details(summary, out)
+
+
+def _print_kept_baseline(summary: StudySummary, out: Console) -> None:
+    """The verdict "keep the baseline": no trial called recommended; the best candidate
+    offered to try only when it was measured faster than the baseline."""
+    rec = summary.recommended
+    assert rec is not None
+    base = summary.baseline
+    which = f" (trial #{base.number})" if base is not None else ""
+    if rec.point.is_baseline:
+        why = "no faster setting within the loss tolerance was found; try more trials"
+    else:
+        why = shown(rec.speedup_text() or "")
+    out.print(f"[bold]Recommended: keep the baseline[/]{which}: {why}", soft_wrap=True)
+    out.print(f"  rule: {rec.rule}", soft_wrap=True)
+    if rec.point.is_baseline:  # the baseline's own settings, as the code to keep
+        _print_details(summary, out, rule=False)
+        return
+    candidate = rec.worth_trying
+    if candidate is None:  # slower than the baseline: nothing to try
+        return
+    out.print(
+        f"  the best candidate, should you try it anyway: trial #{candidate.number},"
+        f" {candidate.throughput:,.0f} samples/s, val_loss {candidate.val_loss:.4f}",
+        soft_wrap=True,
+    )
+    _print_details(summary, out, rule=False)
+
+
+def _print_details(summary: StudySummary, out: Console, *, rule: bool = True) -> None:
+    """The recommendation's (or a candidate's) readings, pipeline, rule and snippet."""
+    rec = summary.recommended
+    assert rec is not None
     if rec.point.measurements and not rec.point.is_baseline:
         values = ", ".join(f"{v:,.0f}" for v in rec.point.measurements)
         out.print(
@@ -214,9 +246,8 @@ def _print_recommendation(summary: StudySummary, out: Console) -> None:
     if rec.pipeline is not None:
         for line in pipeline_lines(rec.pipeline, rec.point.params.batch_size):
             out.print(line, soft_wrap=True, highlight=False)
-    out.print(f"  rule: {rec.rule}", soft_wrap=True)
-    if rec.verdict == "no_reliable_gain":
-        out.print("  the best candidate, should you try it anyway:", soft_wrap=True)
+    if rule:
+        out.print(f"  rule: {rec.rule}", soft_wrap=True)
     snippet = rec.snippet
     if snippet.startswith("# run: "):
         # The command line to copy is printed whole, on one line however wide (a panel

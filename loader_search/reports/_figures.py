@@ -102,11 +102,13 @@ def pareto_figure(data: ReportData) -> go.Figure:
         marker = dict(color=_COLORS["baseline"], size=16, symbol="square-open", line=dict(width=3))
         _points(fig, [base], "baseline", marker)
     rec = data.summary.recommended
-    if rec is not None:
+    # The star follows the verdict: none on a candidate it rejects (keep the baseline).
+    chosen = rec.recommended_point if rec is not None else None
+    if chosen is not None:
         marker = dict(
             color=_COLORS["recommended"], size=22, symbol="star-open", line=dict(width=3)
         )
-        _points(fig, [rec.point], "recommended", marker)
+        _points(fig, [chosen], "recommended", marker)
     for status, symbol in (("infeasible", "x"), ("failed", "triangle-down")):
         rows_ = [t for t in unplotted if t.status == status]
         if not rows_:

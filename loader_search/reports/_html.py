@@ -164,10 +164,12 @@ def _recommendation(data: ReportData) -> str:
     verdict = (
         f"trial #{p.number}, {html.escape(p.params.describe())}: {p.throughput:,.0f} samples/s"
     )
-    if p.is_baseline:
-        verdict = (
-            f"keep the baseline (trial #{p.number}): no faster setting within the loss tolerance"
-            " was found; try more trials"
+    if rec.keeps_baseline:  # the verdict's word: no trial is called recommended then
+        which = f" (trial #{base.number})" if base is not None else ""
+        verdict = f"keep the baseline{which}: " + (
+            "no faster setting within the loss tolerance was found; try more trials"
+            if p.is_baseline
+            else "no candidate was surely faster in the paired rounds"
         )
     rows.append(f"<tr><th>Recommended</th><td>{verdict}</td></tr>")
     speedup = rec.speedup_text()
@@ -175,7 +177,16 @@ def _recommendation(data: ReportData) -> str:
         rows.append("<tr><th>Speedup</th><td>none: the baseline is the recommendation</td></tr>")
     elif speedup is not None:
         rows.append(f"<tr><th>Speedup</th><td><b>{html.escape(speedup)}</b></td></tr>")
-    if rec.val_loss_change_vs_baseline is not None:
+    # A rejected candidate's code is shown only as one to try anyway: measured faster.
+    snippet = rec.snippet
+    if rec.keeps_baseline and not p.is_baseline:
+        tried = "none: the best candidate was measured slower than the baseline"
+        if rec.worth_trying is not None:
+            tried = f"the best candidate, trial #{p.number}, {html.escape(p.params.describe())}"
+        else:
+            snippet = ""
+        rows.append(f"<tr><th>Try it anyway?</th><td>{tried}</td></tr>")
+    elif rec.val_loss_change_vs_baseline is not None:
         rows.append(
             f"<tr><th>val_loss</th><td>{p.val_loss:.4f}"
             f" ({rec.val_loss_change_vs_baseline:+.1%} vs baseline)</td></tr>"
@@ -185,7 +196,8 @@ def _recommendation(data: ReportData) -> str:
     return (
         '<section id="recommendation"><h2>Recommendation</h2>'
         f'<table class="kv">{"".join(rows)}</table>'
-        f"<pre><code>{html.escape(rec.snippet)}</code></pre></section>"
+        + (f"<pre><code>{html.escape(snippet)}</code></pre>" if snippet else "")
+        + "</section>"
     )
 
 

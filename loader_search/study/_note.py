@@ -53,6 +53,23 @@ def note_text(results: Sequence[StudySummary]) -> str:
                 f"**Recommended: keep the baseline** (trial #{rec.point.number}): no faster"
                 " setting within the loss tolerance was found."
             )
+        elif rec.keeps_baseline:  # the verdict rejects the best candidate: no trial named
+            base = summary.baseline
+            which = f" (trial #{base.number})" if base is not None else ""
+            lines.append(f"**Recommended: keep the baseline**{which}: {rec.speedup_text()}.")
+            lines += ["", f"Rule: {rec.rule}."]
+            candidate = rec.worth_trying
+            if candidate is not None:
+                lines += [
+                    "",
+                    f"The best candidate, should you try it anyway: trial #{candidate.number},"
+                    f" {candidate.params.describe()}.",
+                    "",
+                    "```python",
+                    rec.snippet,
+                    "```",
+                ]
+            continue
         else:
             lines.append(
                 f"**Recommended:** trial #{rec.point.number}, {rec.point.params.describe()}:"

@@ -43,7 +43,7 @@ _EXPORTS = {
     "summaries": "loader_search.study.stats._recommend",
     "summarize_trials": "loader_search.study.stats._recommend",
     "hardware_classes": "loader_search.study.stats._recommend",
-    "hypervolume_2d": "loader_search.study.stats._recommend",
+    "hypervolume_2d": "loader_search.study.stats._hypervolume",
     "NOT_CONFIRMED": "loader_search.study.stats._recommend",
     "VERDICTS": "loader_search.study.stats._recommend",
 }
@@ -99,6 +99,7 @@ if TYPE_CHECKING:
         pool_noise,
         pooled_noise_scale,
     )
+    from loader_search.study.stats._hypervolume import hypervolume_2d
     from loader_search.study.stats._paired import (
         FASTER,
         NO_RELIABLE_GAIN,
@@ -114,7 +115,6 @@ if TYPE_CHECKING:
         Recommendation,
         StudySummary,
         hardware_classes,
-        hypervolume_2d,
         recommend,
         summaries,
         summarize,

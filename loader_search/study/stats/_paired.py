@@ -71,6 +71,13 @@ BLOCK_ROUNDS = 2  # consecutive rounds per block (see the module docstring)
 # The standard deviation of the rounds' moment against a long run, as a fraction of one
 # round's (see the module docstring, "A later run"): 0.34 measured, rounded up.
 RERUN_NOISE = 0.35
+# An interval is given in numbers only from `MIN_SIZED_ROUNDS` paired rounds on, and only
+# where its upper end is at most `MAX_SIZED_RATIO` times its lower (a lower end above 0):
+# from two rounds Student's t has one degree of freedom (12.7), and the interval spans
+# orders of magnitude ("0.00-60173.66"), which reads as a measurement when it is none.
+MIN_SIZED_ROUNDS = 3
+MAX_SIZED_RATIO = 10.0
+TOO_NOISY = "too noisy to size"
 
 
 def t_975(degrees: int) -> float:
@@ -100,6 +107,25 @@ class PairedSpeedup:
     @property
     def verdict(self) -> Verdict:
         return FASTER if self.low > 1.0 else NO_RELIABLE_GAIN
+
+    @property
+    def too_noisy(self) -> bool:
+        """Its interval says nothing in numbers (see `MIN_SIZED_ROUNDS`): every view writes
+        it in words (`interval_text`); ``best --json`` keeps the numbers beside this flag."""
+        if self.rounds < MIN_SIZED_ROUNDS:
+            return True
+        # Written so that NaN and infinite ends count as too noisy too.
+        return not (self.low > 0 and self.high / self.low <= MAX_SIZED_RATIO)
+
+    def interval_text(self, *, cell: bool = False) -> str:
+        """The 95% interval as every view writes it: in numbers, or in words when too noisy;
+        with how many paired rounds it rests on, or (``cell``) as short as a table cell."""
+        if cell:
+            return TOO_NOISY if self.too_noisy else f"95% CI {self.low:.2f}-{self.high:.2f}"
+        text = (
+            f"95% CI {TOO_NOISY}" if self.too_noisy else f"95% CI {self.low:.2f}-{self.high:.2f}"
+        )
+        return f"{text}, paired over {self.rounds} round{'s' if self.rounds != 1 else ''}"
 
 
 def preference(speedup: PairedSpeedup) -> tuple[bool, float]:

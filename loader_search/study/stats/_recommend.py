@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -58,6 +58,10 @@ VERDICTS: tuple[RecommendationVerdict, ...] = (
     NOT_CONFIRMED,  # a faster reading, not yet confirmed: the study is still searching,
     # or it runs with confirm_top = 0
 )
+# The summary's labels beside "recommended" (the rule's best candidate, which the verdict may
+# reject): the trial the verdict recommends, whether it keeps the baseline, and the candidate
+# to try anyway (`Recommendation.worth_trying`); every view names what these name.
+LABELS = ("recommended_trial", "keep_baseline", "worth_trying_trial")
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,7 @@ class Recommendation:
                 f"{self.speedup_vs_baseline:.2f}x {what} (not confirmed in paired"
                 " rounds: no interval)"
             )
-        interval = (
-            f"95% CI {self.paired.low:.2f}-{self.paired.high:.2f}, paired over"
-            f" {self.paired.rounds} rounds"
-        )
+        interval = self.paired.interval_text()
         if self.paired.blocks_disagree:
             interval += (
                 "; warning: its blocks of rounds disagree, the machine's state changed during"
@@ -159,12 +160,43 @@ class Recommendation:
             return NO_RELIABLE_GAIN  # no candidate read faster: there was nothing to confirm
         return NOT_CONFIRMED
 
+    @property
+    def keeps_baseline(self) -> bool:
+        """The verdict is to keep the baseline. Every view labels from this one place: then
+        no trial is called recommended (`point` is at most the best candidate) and the views
+        say "keep the baseline"."""
+        return self.verdict == NO_RELIABLE_GAIN
+
+    @property
+    def recommended_point(self) -> TrialPoint | None:
+        """The trial the verdict recommends (None: keep the baseline)."""
+        return None if self.keeps_baseline else self.point
+
+    @property
+    def worth_trying(self) -> TrialPoint | None:
+        """With the baseline kept, the best candidate when it was measured faster than the
+        baseline (ratio > 1), for a "try it anyway"; never the baseline, never a slower one."""
+        ratio = self.speedup_vs_baseline
+        if not self.keeps_baseline or self.point.is_baseline or ratio is None:
+            return None
+        return self.point if ratio > 1.0 else None
+
+    def labels(self) -> dict[str, Any]:
+        """The verdict's labels as ``best --json`` gives them (the keys of `LABELS`)."""
+        chosen, worth = self.recommended_point, self.worth_trying
+        numbers = (chosen.number if chosen else None, worth.number if worth else None)
+        return dict(zip(LABELS, (numbers[0], self.keeps_baseline, numbers[1]), strict=True))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             **self.point.as_dict(),
             "speedup_vs_baseline": self.speedup_vs_baseline,
             "speedup_ci95": [self.paired.low, self.paired.high] if self.paired else None,
+            # True: the interval is too wide to size (`PairedSpeedup.too_noisy`), its numbers
+            # kept for the record but written in words by every view.
+            "speedup_ci95_too_noisy": self.paired.too_noisy if self.paired else None,
             "verdict": self.verdict,
+            "keep_baseline": self.keeps_baseline,
             "confirmation_rounds": self.paired.rounds if self.paired else 0,
             "blocks_disagree": self.paired.blocks_disagree if self.paired else None,
             "val_loss_change_vs_baseline": self.val_loss_change_vs_baseline,
@@ -233,6 +265,7 @@ class StudySummary:
                 if self.recommended
                 else None
             ),
+            **(self.recommended.labels() if self.recommended else dict.fromkeys(LABELS)),
         }
 
 
@@ -465,25 +498,3 @@ def summarize_trials(
         noise=noise,
         objective=objective,
     )
-
-
-def hypervolume_2d(points: Iterable[Sequence[float]], reference: Iterable[float]) -> float:
-    """The area that ``points`` dominate up to ``reference``, both objectives minimised: the
-    union of the rectangles ``[x, rx] x [y, ry]``. Exact, O(n log n); Optuna has no public
-    hypervolume function (``optuna._hypervolume`` is private).
-
-    Sorted by the first objective, a point adds area only below the lowest second objective
-    seen so far (a point that does not is dominated), and what it adds is the strip between
-    the two, as wide as from its first objective to the reference. As in Optuna, a point
-    beyond the reference (or NaN) is an error, not ignored.
-    """
-    rx, ry = (float(v) for v in reference)
-    pairs = [(float(x), float(y)) for x, y in points]
-    if not all(x <= rx and y <= ry for x, y in pairs):
-        raise ValueError(f"every point must be at or below the reference {(rx, ry)}: {pairs}")
-    area, lowest = 0.0, ry
-    for x, y in sorted(pairs):
-        if y < lowest:
-            area += (rx - x) * (lowest - y)
-            lowest = y
-    return area
