@@ -5,6 +5,7 @@ so a process re-parented to init is still found."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -160,6 +161,10 @@ def test_the_next_start_removes_a_dead_trials_folder_and_processes(private_tmp: 
     stat = Path(f"/proc/{os.getpid()}/stat").read_text()
     started = int(stat[stat.rfind(")") + 2 :].split()[19])
     (mine / OWNER_FILE).write_text(f'{{"pid": {os.getpid()}, "started": {started}}}')
+    ended = private_tmp / f"{FOLDER_PREFIX}ended"  # its keeper ended, its worker cleans it
+    ended.mkdir()
+    owner = {"pid": dead.pid, "started": 1, "worker": os.getpid(), "worker_started": started}
+    (ended / OWNER_FILE).write_text(json.dumps(owner))
     elsewhere = private_tmp.parent / "elsewhere"  # planted: a link is never followed
     elsewhere.mkdir()
     (elsewhere / OWNER_FILE).write_text(f'{{"pid": {dead.pid}, "started": 1}}')
@@ -167,7 +172,8 @@ def test_the_next_start_removes_a_dead_trials_folder_and_processes(private_tmp: 
     try:
         assert remove_stale(private_tmp) == [stale]
         assert left.wait(timeout=10) == -signal.SIGKILL
-        assert not stale.exists() and mine.exists() and (elsewhere / OWNER_FILE).exists()
+        assert not stale.exists() and mine.exists() and ended.exists()
+        assert (elsewhere / OWNER_FILE).exists()
     finally:
         left.kill()
 

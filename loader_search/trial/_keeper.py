@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         _write_owner(folder, {"start_error": _start_error(settings["argv"][0], exc)})
         return START_FAILED
-    _write_owner(folder, {"pid": keeper, "started": _start_time(keeper), "command": command.pid})
+    owner = {"pid": keeper, "started": _start_time(keeper), "command": command.pid}
+    _write_owner(folder, {**owner, "worker": parent, "worker_started": _start_time(parent)})
     status, from_outside = _watch(command.pid, grace)
     end_below(keeper)
     if from_outside and _gone(parent):  # nobody else will: the folder's worker is gone
@@ -264,7 +265,12 @@ def remove_stale(parent: Path) -> list[Path]:
                 continue
             if info.st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
                 continue
-            if not isinstance(owner, dict) or _alive(owner.get("pid"), owner.get("started")):
+            # The worker cleans its own folder once its keeper has ended: only a folder whose
+            # keeper and worker are both gone is stale.
+            if not isinstance(owner, dict) or any(
+                _alive(owner.get(pid), owner.get(started))
+                for pid, started in (("pid", "started"), ("worker", "worker_started"))
+            ):
                 continue
             end_marked(entry.path)
             shutil.rmtree(entry.path, ignore_errors=True)
