@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from loader_search.trial._keeper import OWNER_FILE, START_FAILED, STOP, STOP_NOW, end_marked
+from loader_search.trial._keeper import OWNER_FILE, STOP, STOP_NOW, end_marked
 
 KEEPER = Path(__file__).with_name("_keeper.py")
 STOP_GRACE_S = 5.0  # SIGTERM, then this long before SIGKILL
@@ -88,8 +88,3 @@ def finish(process: subprocess.Popen[bytes], folder: Path) -> list[int]:
     if process.returncode is None:
         stop_kept(process, 0.0)
     return end_marked(folder)
-
-
-def started(returncode: int | None) -> bool:
-    """Whether a keeper that ended with ``returncode`` had started the command."""
-    return returncode != START_FAILED
